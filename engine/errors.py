@@ -1,0 +1,8 @@
+"""The one error type the engine raises for bad model files and bad inputs."""
+
+
+class GGUFError(Exception):
+    """A GGUF file (or a request against it) is unsupported, inconsistent or corrupt.
+
+    The message always names the file and the tensor or metadata field at fault.
+    """
