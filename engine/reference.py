@@ -1,0 +1,199 @@
+"""numpy reference forward for llama and qwen2: the oracle for every GPU op, and the CPU backend.
+
+Float32 throughout (RoPE angles in float64, then rounded). Each weight is dequantized once at load;
+token embeddings are dequantized per token (one row block each), so only one copy of the model is
+in memory.
+
+    x = embed(ids)                                        # [n, d]
+    per layer:
+        h = rmsnorm(x) * attn_norm
+        q, k, v = h @ Wq.T (+bq), h @ Wk.T (+bk), h @ Wv.T (+bv)
+        q, k = rope(q, pos), rope(k, pos)                 # normal: pairs (2i, 2i+1); neox: (i, i+hd/2)
+        a = softmax(q k^T / sqrt(hd) + causal mask) v     # GQA: head h reads KV head h // (H / KVH)
+        x = x + a @ Wo.T
+        h = rmsnorm(x) * ffn_norm
+        x = x + (silu(h @ Wg.T) * (h @ Wu.T)) @ Wd.T
+    logits = rmsnorm(x) * output_norm @ Wout.T
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from engine import quants
+from engine.config import ModelConfig
+from engine.errors import GGUFError
+from engine.gguf_file import TensorInfo
+from engine.weights import LAYER_MATRICES, LAYER_NORMS, QKV_BIASES, ModelFile, layer_name, open_model
+
+_ROW_CHUNK = 2048  # rows dequantized at a time: bounds the temporaries
+
+
+def dequantize_rows(t: TensorInfo, rows: np.ndarray | slice | None = None) -> np.ndarray:
+    """float32 [rows, cols] of a 2-D tensor (all rows, or the selected ones)."""
+    data = t.data if rows is None else t.data[rows]
+    if t.type_name == "F32":
+        return np.asarray(data, dtype=np.float32)
+    if t.type_name == "F16":
+        return np.asarray(data, dtype=np.float16).astype(np.float32)
+    fn = {"Q4_K": quants.dequantize_q4_k, "Q6_K": quants.dequantize_q6_k}[t.type_name]
+    n = data.shape[0]
+    out = np.empty((n, t.shape[-1]), dtype=np.float32)
+    for r in range(0, n, _ROW_CHUNK):
+        out[r:r + _ROW_CHUNK] = fn(np.asarray(data[r:r + _ROW_CHUNK]))
+    return out
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (1.0 / np.sqrt(ms + np.float32(eps)))).astype(np.float32) * w
+
+
+def rope_tables(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n, head_dim/2] for the given positions (angles computed in float64)."""
+    half = cfg.head_dim // 2
+    inv_freq = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: str) -> np.ndarray:
+    """x: [n, heads, hd]; cos/sin: [n, hd/2]."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    if rope_type == "normal":
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2] = x0 * c - x1 * s
+        out[..., 1::2] = x0 * s + x1 * c
+    else:
+        half = x.shape[-1] // 2
+        x0, x1 = x[..., :half], x[..., half:]
+        out[..., :half] = x0 * c - x1 * s
+        out[..., half:] = x0 * s + x1 * c
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+class KVCache:
+    """K and V per layer: [n_layers, max_tokens, n_kv_heads, head_dim] float32."""
+
+    def __init__(self, cfg: ModelConfig, max_tokens: int):
+        shape = (cfg.n_layers, max_tokens, cfg.n_kv_heads, cfg.head_dim)
+        self.k = np.zeros(shape, dtype=np.float32)
+        self.v = np.zeros(shape, dtype=np.float32)
+        self.max_tokens = max_tokens
+        self.length = 0
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
+                     query_chunk: int = 256) -> np.ndarray:
+    """q: [n, H, hd] at positions start..start+n-1; k, v: [start+n, KVH, hd]. Returns [n, H*hd]."""
+    n, n_heads, hd = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / np.sqrt(hd))
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # [KVH, hd, L]
+    vt = np.ascontiguousarray(v.transpose(1, 0, 2))  # [KVH, L, hd]
+    out = np.empty((n, n_heads, hd), dtype=np.float32)
+    for c0 in range(0, n, query_chunk):
+        c1 = min(n, c0 + query_chunk)
+        length = start + c1  # keys visible to the last query of the chunk
+        qc = q[c0:c1].reshape(c1 - c0, n_kv, group, hd).transpose(1, 2, 0, 3)  # [KVH, G, m, hd]
+        qc = qc.reshape(n_kv, group * (c1 - c0), hd)
+        scores = (qc @ kt[:, :, :length]) * scale  # [KVH, G*m, L]
+        scores = scores.reshape(n_kv, group, c1 - c0, length)
+        qpos = start + np.arange(c0, c1)
+        mask = np.arange(length)[None, :] > qpos[:, None]  # [m, L]
+        scores[:, :, mask] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        o = p.reshape(n_kv, group * (c1 - c0), length) @ vt[:, :length]  # [KVH, G*m, hd]
+        out[c0:c1] = o.reshape(n_kv, group, c1 - c0, hd).transpose(2, 0, 1, 3).reshape(c1 - c0, n_heads, hd)
+    return out.reshape(n, n_heads * hd)
+
+
+class ReferenceModel:
+    """The numpy backend. See the module docstring for the forward."""
+
+    device = "cpu"
+
+    def __init__(self, model: ModelFile):
+        self.file = model
+        self.config = cfg = model.config
+        self.embd = model.tensor("token_embd.weight")
+        self.output_norm = np.asarray(model.tensor("output_norm.weight").data, dtype=np.float32)
+        self.layers = []
+        for i in range(cfg.n_layers):
+            layer = {role: dequantize_rows(model.tensor(layer_name(i, role))) for role in LAYER_MATRICES}
+            for role in LAYER_NORMS:
+                layer[role] = np.asarray(model.tensor(layer_name(i, role)).data, dtype=np.float32)
+            for role in QKV_BIASES:
+                name = layer_name(i, role, "bias")
+                layer[role + "_bias"] = (np.asarray(model.tensor(name).data, dtype=np.float32)
+                                         if model.has(name) else None)
+            self.layers.append(layer)
+        self.output = dequantize_rows(model.output_tensor)
+        self.resident_bytes = sum(a.nbytes for layer in self.layers for a in layer.values()
+                                  if a is not None) + self.output.nbytes
+
+    @classmethod
+    def from_path(cls, path) -> "ReferenceModel":
+        return cls(open_model(path))
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        return KVCache(self.config, max_tokens)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        if self.config.tied_output:
+            return self.output[ids]
+        return dequantize_rows(self.embd, ids)
+
+    def check_ids(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise GGUFError(f"{self.file.path}: forward needs at least one token")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise GGUFError(f"{self.file.path}: token id {int(bad[0])} is outside the vocabulary "
+                            f"(0..{self.config.vocab_size - 1})")
+        if cache.length + ids.size > cache.max_tokens:
+            raise GGUFError(f"{self.file.path}: {cache.length + ids.size} tokens exceed the KV cache "
+                            f"size {cache.max_tokens}")
+        return ids
+
+    def hidden(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Final-normed hidden states [n, d] of ids appended at cache.length."""
+        cfg = self.config
+        ids = self.check_ids(ids, cache)
+        n, start = ids.size, cache.length
+        positions = np.arange(start, start + n)
+        cos, sin = rope_tables(cfg, positions)
+        x = self.embed(ids)
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
+            q, k, v = h @ w["attn_q"].T, h @ w["attn_k"].T, h @ w["attn_v"].T
+            if w["attn_q_bias"] is not None:
+                q += w["attn_q_bias"]
+                k += w["attn_k_bias"]
+                v += w["attn_v_bias"]
+            q = apply_rope(q.reshape(n, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_type)
+            k = apply_rope(k.reshape(n, cfg.n_kv_heads, cfg.head_dim), cos, sin, cfg.rope_type)
+            cache.k[i, start:start + n] = k
+            cache.v[i, start:start + n] = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            a = causal_attention(q, cache.k[i, :start + n], cache.v[i, :start + n], start)
+            x = x + a @ w["attn_output"].T
+            h = rms_norm(x, w["ffn_norm"], cfg.rms_eps)
+            x = x + (silu(h @ w["ffn_gate"].T) * (h @ w["ffn_up"].T)) @ w["ffn_down"].T
+        cache.length = start + n
+        return rms_norm(x, self.output_norm, cfg.rms_eps)
+
+    def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        h = self.hidden(ids, cache)
+        if all_logits:
+            return h @ self.output.T
+        return h[-1] @ self.output.T
