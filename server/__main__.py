@@ -1,0 +1,3 @@
+from server.main import main
+
+raise SystemExit(main())

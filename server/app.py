@@ -1,0 +1,314 @@
+"""FastAPI routes. All engine work goes through the Runner (one worker thread, bounded queue).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/prefill, GET /v1/models,
+GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from server.errors import APIError, AuthMiddleware, BodyGuardMiddleware, error_body, install_error_handlers
+from server.metrics import Metrics
+from server.runner import Engine, Job, Runner, new_job, synthetic_ids
+from server.sampling import Sampler
+from server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, PrefillRequest,
+                            TokenizeRequest, timings_dict, usage_dict)
+from server.settings import Settings
+
+log = logging.getLogger("server")
+
+KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/prefill", "/v1/models",
+                "/health", "/metrics", "/tokenize", "/detokenize")
+
+
+class StatusCountMiddleware:
+    """Counts responses by route and status (unknown paths are one label, 'other')."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in KNOWN_ROUTES else "other"
+        counted = False
+
+        async def send_counting(message):
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_counting)
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None,
+               loader: Callable[[Settings], Engine] | None = None) -> FastAPI:
+    """`engine`: an already-loaded Engine (tests, embedding); otherwise the worker thread loads
+    one with `loader` (default server.runner.load_engine) while /health answers 503."""
+    settings = settings or Settings.from_env()
+    metrics = Metrics()
+    runner = Runner(settings, metrics, engine=engine, loader=loader)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runner.start()
+        try:
+            yield
+        finally:
+            runner.stop(timeout=5.0)
+
+    app = FastAPI(title="gguf-prefill", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.runner = runner
+    install_error_handlers(app)
+
+    def ready_engine() -> Engine:
+        if not runner.ready:
+            raise runner.unavailable()
+        return runner.engine  # type: ignore[return-value]
+
+    # ---- health / models / metrics -----------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not runner.ready:
+            err = runner.unavailable()
+            return JSONResponse(err.body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        eng = ready_engine()
+        cfg = eng.model.config
+        return {"object": "list", "data": [{
+            "id": eng.model_id, "object": "model", "created": 0, "owned_by": "gguf-prefill",
+            "meta": {"n_ctx": eng.n_ctx, "n_ctx_train": eng.n_ctx_train,
+                     "n_vocab": eng.vocab_size, "arch": getattr(cfg, "arch", None),
+                     "n_layers": getattr(cfg, "n_layers", None),
+                     "backend": type(eng.model).__name__}}]}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type=Metrics.CONTENT_TYPE)
+
+    # ---- tokenizer ---------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        eng = ready_engine()
+        ids = await run_in_threadpool(eng.encode, req.content, req.add_special, req.parse_special)
+        if req.with_pieces:
+            return {"tokens": [{"id": t, "piece": eng.decode([t])} for t in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        eng = ready_engine()
+        check_ids(eng, req.tokens, "tokens")
+        return {"content": eng.decode(req.tokens)}
+
+    # ---- prefill probe -----------------------------------------------------------------------
+    @app.post("/v1/prefill")
+    async def prefill(req: PrefillRequest, request: Request):
+        eng = ready_engine()
+        if req.n_tokens is not None:
+            if req.n_tokens > eng.n_ctx:
+                raise exceed_context(req.n_tokens, 0, eng.n_ctx, "n_tokens")
+            ids = synthetic_ids(req.n_tokens, eng.vocab_size, req.seed)
+        else:
+            ids = await prompt_ids(eng, req.prompt)
+            if len(ids) > eng.n_ctx:
+                raise exceed_context(len(ids), 0, eng.n_ctx, "prompt")
+        job = runner.submit(new_job("prefill", ids))
+        result = await await_job(job, request)
+        return {"object": "prefill", "model": eng.model_id, "n_tokens": result["prompt_n"],
+                "timings": timings_dict(result["prompt_n"], result["prompt_ms"], 0, 0.0)}
+
+    # ---- completions -------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        eng = ready_engine()
+        ids = await prompt_ids(eng, req.prompt)
+        return await run_generation(eng, req, ids, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        eng = ready_engine()
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = await run_in_threadpool(eng.encode_chat, messages)
+        return await run_generation(eng, req, ids, request, chat=True)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    async def run_generation(eng: Engine, req, ids: list[int], request: Request, chat: bool):
+        n_prompt = len(ids)
+        if req.max_tokens is None:
+            # OpenAI: completions default to 16 tokens; chat runs to the end of the context
+            max_tokens = 16 if not chat else max(eng.n_ctx - n_prompt, 1)
+        else:
+            max_tokens = req.max_tokens
+        if n_prompt + max_tokens > eng.n_ctx:
+            raise exceed_context(n_prompt, max_tokens, eng.n_ctx, "prompt")
+        sampler = None
+        if req.temperature > 0:
+            sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
+        job = runner.submit(new_job("generate", ids, max_tokens=max_tokens, sampler=sampler,
+                                    stops=req.stop_list(), ignore_eos=req.ignore_eos))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(stream_events(job, rid, created, eng.model_id, chat, req),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+        parts: list[str] = []
+
+        async def collect():
+            while True:
+                kind, payload = await job.next_event()
+                if kind == "text":
+                    parts.append(payload)
+                elif kind == "error":
+                    raise payload
+                else:
+                    return payload
+
+        done = await with_disconnect_cancel(job, request, collect())
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": done["finish_reason"]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+            choice["logprobs"] = None
+        if req.return_tokens:
+            choice["tokens"] = done["tokens"]
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": eng.model_id, "choices": [choice],
+                "usage": usage_dict(n_prompt, len(done["tokens"])),
+                "timings": done["timings"]}
+
+    async def stream_events(job: Job, rid: str, created: int, model_id: str, chat: bool,
+                            req) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, **extra: Any) -> bytes:
+            if chat:
+                d: dict[str, Any] = {} if delta is None else {"content": delta}
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None,
+                          "finish_reason": finish}
+            body = {"id": rid, "object": obj, "created": created, "model": model_id,
+                    "choices": [choice], **extra}
+            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+        try:
+            if chat:
+                first = {"id": rid, "object": obj, "created": created, "model": model_id,
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]}
+                yield b"data: " + json.dumps(first).encode() + b"\n\n"
+            while True:
+                kind, payload = await job.next_event()
+                if kind == "text":
+                    yield chunk(payload, None)
+                elif kind == "error":
+                    yield b"data: " + json.dumps(payload.body()).encode() + b"\n\n"
+                    return
+                else:
+                    extra: dict[str, Any] = {
+                        "usage": usage_dict(len(job.prompt_ids), len(payload["tokens"])),
+                        "timings": payload["timings"]}
+                    if req.return_tokens:
+                        extra["tokens"] = payload["tokens"]
+                    yield chunk(None, payload["finish_reason"], **extra)
+                    yield b"data: [DONE]\n\n"
+                    return
+        finally:
+            if not job.finished:
+                job.cancel()  # client went away (or the server is cancelling us)
+
+    async def await_job(job: Job, request: Request) -> dict[str, Any]:
+        async def result():
+            while True:
+                kind, payload = await job.next_event()
+                if kind == "error":
+                    raise payload
+                if kind == "done":
+                    return payload
+
+        return await with_disconnect_cancel(job, request, result())
+
+    async def with_disconnect_cancel(job: Job, request: Request, coro):
+        """Await `coro`; if the client disconnects first, cancel the job."""
+        work = asyncio.ensure_future(coro)
+
+        async def watch():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            job.cancel()
+            work.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not work.done():
+            job.cancel()
+            work.cancel()
+            raise APIError(499, "client disconnected", type="cancelled")
+        return work.result()
+
+    app.add_middleware(BodyGuardMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, api_key=settings.api_key)
+    app.add_middleware(StatusCountMiddleware, metrics=metrics)
+    return app
+
+
+async def prompt_ids(eng: Engine, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        ids = await run_in_threadpool(eng.encode, prompt)
+        if not ids:
+            raise APIError(400, "prompt: encodes to zero tokens")
+        return ids
+    ids = [int(t) for t in prompt]
+    check_ids(eng, ids, "prompt")
+    return ids
+
+
+def check_ids(eng: Engine, ids: list[int], field: str) -> None:
+    bad = [t for t in ids if not 0 <= t < eng.vocab_size]
+    if bad:
+        raise APIError(400, f"{field}: token id {bad[0]} is out of range for the vocabulary "
+                            f"(0..{eng.vocab_size - 1})")
+
+
+def exceed_context(n_prompt: int, max_tokens: int, n_ctx: int, field: str) -> APIError:
+    if max_tokens:
+        msg = (f"the request exceeds the available context size: {field} ({n_prompt} tokens) + "
+               f"max_tokens ({max_tokens}) = {n_prompt + max_tokens} > n_ctx ({n_ctx})")
+    else:
+        msg = (f"the request exceeds the available context size: {field} ({n_prompt} tokens) "
+               f"> n_ctx ({n_ctx})")
+    return APIError(400, msg, type="exceed_context_size_error", n_prompt_tokens=n_prompt,
+                    n_ctx=n_ctx)

@@ -1,0 +1,130 @@
+"""Server settings: `serve` flags, each mirrored by a GGUF_PREFILL_* environment variable.
+
+Precedence: command-line flag > environment variable > default. This module imports nothing
+heavy (no FastAPI, no numpy) so `gguf-prefill --help` stays fast; the CLI calls
+`add_serve_arguments(parser)` and hands the parsed namespace to `server.main.serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+ENV_PREFIX = "GGUF_PREFILL_"
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_MAX_QUEUE = 128
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context window
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = None  # None: the default model (engine.fetch)
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    ctx_size: int = 0  # 0: the model's training context (n_ctx_train)
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting behind the one being served
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # seconds to drain on SIGTERM
+    device: str = "auto"  # "auto" | "cpu" | "gpu"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} is not in 0..65535")
+        if self.ctx_size < 0:
+            raise ValueError(f"ctx_size: {self.ctx_size} must be >= 0 (0 = model's n_ctx_train)")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue: {self.max_queue} must be >= 1")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout: {self.shutdown_timeout} must be >= 0")
+        if self.device not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"device: {self.device!r} is not one of auto, cpu, gpu")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes: {self.max_body_bytes} must be >= 1024")
+        if self.api_key == "":
+            object.__setattr__(self, "api_key", None)
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Defaults, then GGUF_PREFILL_* variables, then `overrides` (values that are None are
+        treated as "not given")."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _convert(f.name, raw, f"{ENV_PREFIX}{f.name.upper()}")
+        for name, value in overrides.items():
+            if name not in _FIELD_NAMES:
+                continue  # the CLI namespace carries other verbs' attributes
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace | Mapping[str, Any] | "Settings",
+                       environ: Mapping[str, str] | None = None) -> "Settings":
+        if isinstance(ns, Settings):
+            return ns
+        items = dict(ns) if isinstance(ns, Mapping) else vars(ns)
+        return cls.from_env(environ, **items)
+
+    def with_(self, **changes: Any) -> "Settings":
+        return replace(self, **changes)
+
+
+_FIELD_NAMES = {f.name for f in fields(Settings)}
+_INT_FIELDS = {"port", "ctx_size", "max_queue", "max_body_bytes"}
+_FLOAT_FIELDS = {"shutdown_timeout"}
+
+
+def _convert(name: str, raw: str, source: str) -> Any:
+    try:
+        if name in _INT_FIELDS:
+            return int(raw)
+        if name in _FLOAT_FIELDS:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{source}={raw!r}: not a number") from None
+    return raw
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `serve` flags. Every default is None so that an unset flag falls back to its
+    GGUF_PREFILL_* variable, then to the Settings default."""
+    env = ENV_PREFIX
+    parser.add_argument("-m", "--model", default=None, metavar="PATH",
+                        help=f"GGUF model file (env {env}MODEL; default: the default model)")
+    parser.add_argument("--host", default=None,
+                        help=f"address to listen on (env {env}HOST; default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"TCP port (env {env}PORT; default {DEFAULT_PORT})")
+    parser.add_argument("-c", "--ctx-size", dest="ctx_size", type=int, default=None, metavar="N",
+                        help=f"context size in tokens, prompt + generated (env {env}CTX_SIZE; "
+                             "default 0 = the model's training context)")
+    parser.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                             f"(env {env}API_KEY)")
+    parser.add_argument("--max-queue", dest="max_queue", type=int, default=None, metavar="N",
+                        help=f"requests that may wait behind the running one; more get 429 "
+                             f"(env {env}MAX_QUEUE; default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=None,
+                        metavar="SECONDS",
+                        help=f"on SIGTERM, seconds to let in-flight requests finish "
+                             f"(env {env}SHUTDOWN_TIMEOUT; default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
+                        help=f"backend (env {env}DEVICE; default auto: GPU when present)")
+    parser.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=None,
+                        metavar="N", help=f"largest request body; bigger gets 413 "
+                                          f"(env {env}MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument("--log-level", dest="log_level", default=None,
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help=f"uvicorn log level (env {env}LOG_LEVEL; default info)")
+    return parser
