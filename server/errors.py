@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import logging
 from typing import Any, Iterable
 
@@ -64,18 +65,26 @@ def format_validation_errors(errors: Iterable[dict[str, Any]]) -> str:
     parts: list[str] = []
     seen: set[str] = set()
     for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # union members show up as an extra loc element like 'str' or 'list[int]'; keep the
-        # field path readable but say which alternative failed
+        # union members show up as extra loc elements ('str', 'list[constrained-int]',
+        # 'TextPart'): drop them so the path is the field as the client wrote it
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_type_tag(x)]
         field = ".".join(loc) if loc else "body"
         msg = e.get("msg", "invalid value")
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        text = f"{field}: {msg}" if loc else msg
+        text = f"{field}: {msg}"
         if text not in seen:
             seen.add(text)
             parts.append(text)
     return "; ".join(parts) if parts else "invalid request"
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*|"
+                       r"(function|constrained|literal)[-\[].*)$")
+
+
+def _is_type_tag(x: Any) -> bool:
+    return isinstance(x, str) and bool(_TYPE_TAG.match(x))
 
 
 def install_error_handlers(app: FastAPI) -> None:
