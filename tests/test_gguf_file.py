@@ -184,19 +184,35 @@ def run_cli(*args, timeout=120):
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-def test_cli_reports_corrupt_file_with_exit_2(tmp_path, tiny_bytes):
-    lay = layout(tiny_bytes)
-    cases = {
-        "trunc.gguf": tiny_bytes[: len(tiny_bytes) // 2],
-        "magic.gguf": b"XXXX" + tiny_bytes[4:],
-        "type.gguf": patched(tiny_bytes, lay["tensors"]["blk.0.attn_q.weight"]["type"], "I", 99),
+def corrupt_variants(data: bytes) -> dict[str, bytes]:
+    """One file per kind of corruption the loader must report."""
+    lay = layout(data)
+    t = lay["tensors"]
+    renamed = bytearray(data)
+    pos = t["blk.0.ffn_up.weight"]["name"] + 8
+    renamed[pos:pos + len("blk.0.ffn_up")] = b"blk.0.ffn_uX"
+    (rows,) = struct.unpack_from("<Q", data, t["blk.0.ffn_up.weight"]["dims"] + 8)
+    return {
+        "truncated": data[: len(data) // 2],
+        "bad-magic": b"XXXX" + data[4:],
+        "wrong-version": patched(data, 4, "I", 7),
+        "data-past-end": patched(data, t["output.weight"]["offset"], "Q", 1 << 40),
+        "huge-tensor-count": patched(data, lay["tensor_count"], "Q", 1 << 62),
+        "huge-kv-count": patched(data, lay["kv_count"], "Q", 1 << 62),
+        "huge-array-count": patched(data, lay["kv"]["tokenizer.ggml.tokens"] + 8, "Q", 1 << 40),
+        "shape-vs-bytes": patched(data, t["blk.0.ffn_up.weight"]["dims"] + 8, "Q", rows - 1),
+        "unknown-type": patched(data, t["blk.0.attn_q.weight"]["type"], "I", 99),
+        "missing-tensor": bytes(renamed),
     }
-    for name, data in cases.items():
-        path = write(tmp_path, name, data)
+
+
+def test_cli_reports_every_corruption_with_exit_2(tmp_path, tiny_bytes):
+    for name, data in corrupt_variants(tiny_bytes).items():
+        path = write(tmp_path, name + ".gguf", data)
         r = run_cli("generate", "--model", path, "--device", "cpu", "--prompt-ids", "1,2", "-n", "1")
         assert r.returncode == 2, (name, r.stderr)
         lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and path in lines[0] and "Traceback" not in r.stderr, r.stderr
+        assert len(lines) == 1 and path in lines[0] and "Traceback" not in r.stderr, (name, r.stderr)
 
 
 def test_cli_missing_file_exit_2(tmp_path):
