@@ -269,6 +269,27 @@ def test_completion_stream(client, tiny_engine):
     assert text == plain["choices"][0]["text"] == token_text(tok, plain["choices"][0]["tokens"])
 
 
+def test_stream_keeps_split_characters_whole(client, tiny_engine):
+    """A generation where one multi-byte UTF-8 character spans two tokens: the stream carries
+    the whole character (decoding each token alone would give U+FFFD pieces instead)."""
+    _, tok = tiny_engine
+    for i in range(80):
+        prompt = f"Prompt {i} \u00e9"
+        tokens = greedy(tiny_engine, tok.encode(prompt), 48, ignore_eos=True).tokens
+        pieces = [tok.token_to_bytes(t) for t in tokens]
+        whole = b"".join(pieces).decode("utf-8", "replace")
+        naive = "".join(p.decode("utf-8", "replace") for p in pieces)
+        if whole != naive:
+            break
+    else:
+        pytest.skip("no greedy generation splits a character across tokens")
+    with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 48,
+                                                       "ignore_eos": True, "stream": True}) as r:
+        events = list(sse_events(r.iter_lines()))
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(texts) == whole != naive
+
+
 def test_stream_never_splits_utf8(tiny_engine):
     """Byte tokens of one multi-byte character come out as one whole character."""
     from server.runner import TextAssembler
