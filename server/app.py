@@ -101,7 +101,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
             "meta": {"n_ctx": eng.n_ctx, "n_ctx_train": eng.n_ctx_train,
                      "n_vocab": eng.vocab_size, "arch": getattr(cfg, "arch", None),
                      "n_layers": getattr(cfg, "n_layers", None),
-                     "backend": type(eng.model).__name__}}]}
+                     "backend": type(eng.model).__name__,
+                     "device": getattr(eng.model, "device", None)}}]}
 
     @app.get("/metrics")
     async def metrics_route():
