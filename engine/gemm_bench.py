@@ -1,0 +1,215 @@
+"""GEMM microbenchmark: the MMQ kernels on the 7B shapes against cuBLAS on f16 weights.
+
+    python -m engine.gemm_bench [--tokens 512,3314] [--variants all|NAME,..] [--reps 20]
+                                [--json OUT.json]
+
+For each (kind, N x K) and token count T: random valid blocks (random bytes, sane f16 scales),
+x ~ N(0, 1) quantized on the device; times (CUDA events, median of --reps after 3 warm-ups,
+L2 flushed by a 256 MB memset before every timed run) of
+  - quantize_q8_1 of x [T, K],
+  - mmq for each tile variant,
+  - cupy.matmul(x16 [T, K], W16^T) with W16 the host-dequantized weights in f16 (cuBLAS),
+and the same-run ratio = cuBLAS ms / MMQ ms (the MMQ rate as a fraction of cuBLAS's).
+Each MMQ output is checked on 16 sampled weight rows against engine.quants' float64 oracle
+(bound |y - ref| <= (K/16 + 4) 2^-24 S, S the sum of term magnitudes; tests/test_gpu_mmq.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from engine import quants as Q
+
+# (kind, N, K): llama2-7b linear layers (q4_K_M puts q6_K on attn_v / ffn_down in some layers
+# and on output.weight).
+SHAPES_7B = [
+    ("q4_k", 4096, 4096),      # attn_q/k/v/output
+    ("q4_k", 11008, 4096),     # ffn_gate / ffn_up
+    ("q4_k", 4096, 11008),     # ffn_down
+    ("q6_k", 4096, 4096),      # attn_v (q6_K layers)
+    ("q6_k", 4096, 11008),     # ffn_down (q6_K layers)
+    ("q6_k", 32000, 4096),     # output
+]
+
+
+def random_blocks(rng, kind: str, n_rows: int, K: int, special: bool = True) -> np.ndarray:
+    """Random valid q4_K / q6_K rows uint8 [n_rows, K/256*bytes]: random bytes with the f16
+    scale fields set to finite values in (-0.05, 0.05) (a few tiny / zero ones if special)."""
+    bb = Q.Q4_K_BYTES if kind == "q4_k" else Q.Q6_K_BYTES
+    offs = (0, 2) if kind == "q4_k" else (208,)
+    nb = K // Q.QK_K
+    b = rng.integers(0, 256, (n_rows * nb, bb), dtype=np.uint8)
+    for off in offs:
+        v = rng.uniform(-0.05, 0.05, b.shape[0]).astype("<f2")
+        if special:
+            v[::29] = np.float16(6e-8)
+            v[::31] = np.float16(0.0)
+        b[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
+    return b.reshape(n_rows, nb * bb)
+
+
+def _abs_terms(kind, w, q, d, s):
+    T, K = q.shape
+    N = w.shape[0]
+    aq = np.abs(q.astype(np.float32))
+    ad = np.abs(np.asarray(d, np.float64)).reshape(T, K // 32)
+    if kind == "q4_k":
+        dw, dmin, sc, m, q4 = Q.q4_k_fields(w.reshape(-1, Q.Q4_K_BYTES))
+        G = K // 32
+        A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, G)
+        M = np.abs(dmin.astype(np.float64)[:, None] * m).reshape(N, G)
+        tot = np.abs(np.asarray(s, np.float64)).reshape(T, G) @ M.T
+        wq = q4.reshape(N, G, 32).astype(np.float32)
+        for g in range(G):
+            tot += (ad[:, g:g + 1] * A[None, :, g]) * (aq[:, 32 * g:32 * g + 32] @ wq[:, g, :].T)
+        return tot
+    dw, sc, q6 = Q.q6_k_fields(w.reshape(-1, Q.Q6_K_BYTES))
+    J = K // 16
+    A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, J)
+    wq = np.abs(q6.reshape(N, J, 16).astype(np.float32))
+    tot = np.zeros((T, N))
+    for j in range(J):
+        tot += (ad[:, j // 2:j // 2 + 1] * A[None, :, j]) * (aq[:, 16 * j:16 * j + 16] @ wq[:, j, :].T)
+    return tot
+
+
+class Timer:
+    def __init__(self, cp, reps: int = 20, warmup: int = 3, flush_mb: int = 256):
+        self.cp = cp
+        self.reps, self.warmup = reps, warmup
+        self.flush = cp.empty(flush_mb << 20, dtype=cp.uint8)
+        self.e0, self.e1 = cp.cuda.Event(), cp.cuda.Event()
+
+    def __call__(self, fn) -> dict:
+        cp = self.cp
+        for _ in range(self.warmup):
+            fn()
+        ts = []
+        for r in range(self.reps):
+            self.flush.fill(r & 0xFF)
+            self.e0.record()
+            fn()
+            self.e1.record()
+            self.e1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(self.e0, self.e1))
+        ts.sort()
+        return {"median_ms": ts[len(ts) // 2], "min_ms": ts[0], "max_ms": ts[-1]}
+
+
+def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: int = 1234,
+        verify_rows: int = 16, log=print) -> list[dict]:
+    import cupy as cp
+
+    from engine import gpu_ops, kernels
+    from engine.gpu_weights import upload_weight
+
+    variants = list(variants or kernels.MMQ_VARIANTS)
+    shapes = shapes or SHAPES_7B
+    rng = np.random.default_rng(seed)
+    timer = Timer(cp, reps=reps)
+    rows: list[dict] = []
+    cublas_cache: dict[tuple[int, int, int], dict] = {}
+    w16_cache: dict[tuple[int, int], object] = {}
+    for kind, N, K in shapes:
+        t0 = time.time()
+        w = random_blocks(rng, kind, N, K, special=False)
+        wd = upload_weight(w, kind.upper())
+        if (N, K) not in w16_cache:
+            deq = Q.dequantize_q4_k(w) if kind == "q4_k" else Q.dequantize_q6_k(w)
+            w16_cache.clear()
+            w16_cache[(N, K)] = cp.asarray(deq.astype(np.float16))
+            del deq
+        w16 = w16_cache[(N, K)]
+        log(f"# {kind} {N}x{K}: weights ready in {time.time() - t0:.1f}s")
+        sample = np.sort(rng.choice(N, size=min(verify_rows, N), replace=False))
+        for T in tokens:
+            x = cp.random.standard_normal((T, K), dtype=cp.float32)
+            act = gpu_ops.quantize_q8_1(x)
+            tq = timer(lambda: gpu_ops.quantize_q8_1(x, out=act))
+            key = (T, N, K)
+            if key not in cublas_cache:
+                x16 = x.astype(cp.float16)
+                y16 = cp.empty((T, N), dtype=cp.float16)
+                cublas_cache[key] = timer(lambda: cp.matmul(x16, w16.T, out=y16))
+                del x16, y16
+            tc = cublas_cache[key]
+            q_h = cp.asnumpy(act.q)
+            ds_h = cp.asnumpy(act.ds)
+            d_h, s_h = ds_h[..., 0], ds_h[..., 1]
+            ref = S = None
+            for v in variants:
+                y = cp.empty((T, N), dtype=cp.float32)
+                tm = timer(lambda: gpu_ops.mmq(wd, act, out=y, variant=v))
+                y.fill(np.nan)
+                gpu_ops.mmq(wd, act, out=y, variant=v)
+                ys = cp.asnumpy(y[:, cp.asarray(sample)]).astype(np.float64)
+                if ref is None:
+                    ws = w[sample]
+                    ref = (Q.mmq_reference_q4_k(ws, q_h, d_h, s_h) if kind == "q4_k"
+                           else Q.mmq_reference_q6_k(ws, q_h, d_h, s_h))
+                    S = _abs_terms(kind, ws, q_h, d_h, s_h)
+                err = np.abs(ys - ref)
+                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= (K / 16 + 4) * 2.0 ** -24 * S))
+                ops = 2.0 * T * N * K
+                row = {
+                    "kind": kind, "N": N, "K": K, "T": T, "variant": v,
+                    "mmq_ms": tm["median_ms"], "mmq_min_ms": tm["min_ms"], "mmq_max_ms": tm["max_ms"],
+                    "mmq_tops": ops / tm["median_ms"] * 1e-9,
+                    "cublas_ms": tc["median_ms"], "cublas_tflops": ops / tc["median_ms"] * 1e-9,
+                    "ratio": tc["median_ms"] / tm["median_ms"],
+                    "quant_ms": tq["median_ms"], "verified": ok,
+                    "weight_bytes": wd.nbytes,
+                }
+                rows.append(row)
+                log(fmt_row(row))
+                del y
+            del x, act
+        del wd
+    return rows
+
+
+HEADER = (f"{'kind':5s} {'N x K':>11s} {'T':>5s} {'variant':11s} {'mmq ms':>8s} {'TOP/s':>7s} "
+          f"{'cuBLAS ms':>9s} {'TFLOP/s':>7s} {'ratio':>6s} {'q8 ms':>6s} ok")
+
+
+def fmt_row(r: dict) -> str:
+    return (f"{r['kind']:5s} {r['N']:>5d}x{r['K']:<5d} {r['T']:>5d} {r['variant']:11s} "
+            f"{r['mmq_ms']:8.3f} {r['mmq_tops']:7.1f} {r['cublas_ms']:9.3f} {r['cublas_tflops']:7.1f} "
+            f"{r['ratio']:6.3f} {r['quant_ms']:6.3f} {'yes' if r['verified'] else 'NO'}")
+
+
+def table(rows: list[dict]) -> str:
+    return "\n".join([HEADER] + [fmt_row(r) for r in rows])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="512,3314")
+    ap.add_argument("--variants", default="all")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    variants = None if a.variants == "all" else a.variants.split(",")
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"# device {props['name'].decode()} sm_{props['major']}{props['minor']}, "
+          f"{props['multiProcessorCount']} SMs; cupy {cp.__version__}")
+    print(HEADER, flush=True)
+    rows = run(tokens=tokens, variants=variants, reps=a.reps,
+               log=lambda s: print(s, flush=True))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n# GEMM microbenchmark (median ms; ratio = cuBLAS f16 ms / MMQ ms, same run)")
+    print(table(rows))
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Load kernels_cu/*.cu, compile them with NVRTC through CuPy (per device, cached), and a
+CPU-only compile check with the same source assembly, options and template instances.
+
+Source assembly: each .cu file includes "common.cuh"; that line is replaced by the header's
+text between `#line` directives, so compiler messages name the real file and line, no include
+path is needed, and CuPy's source-keyed kernel cache sees header edits.
+
+Run time: `get_kernel(file, name)` -> cupy.RawKernel, compiled on first use for the current
+device with `-arch` from the device (CuPy picks sm_XX from its compute capability and adds
+`-ftz=true --device-as-default-execution-space`). Template kernels are instantiated through
+`name_expressions` (INSTANCES lists them).
+
+CPU check: `compile_for_check(arch="sm_90")` runs NVRTC directly (cupy_backends), no driver,
+with the options CuPy would use plus `--ptxas-options=-v`, and returns the ptxas resource
+usage per instance (registers, stack frame, spill bytes).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
+COMMON_HEADER = "common.cuh"
+
+# Options we pass; CuPy appends -arch=sm_XX, -ftz=true and --device-as-default-execution-space.
+OPTIONS: tuple[str, ...] = ("--std=c++17",)
+CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
+
+# MMQ tile variants: name -> (MT, NT, WM, WN, MINB): warp tile (16 MT) tokens x (8 NT) rows,
+# WM x WN warps, block tile BM = 16 MT WM tokens x BN = 8 NT WN rows, __launch_bounds__ minimum
+# blocks per SM = MINB.
+MMQ_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
+    "m64n128": (2, 4, 2, 4, 2),      # 8 warps of 32x32, 2 blocks/SM (<= 128 registers)
+    "m128n128": (2, 4, 4, 4, 1),     # 16 warps of 32x32, 1 block/SM (<= 128 registers)
+    "m128n128w8": (4, 4, 2, 4, 1),   # 8 warps of 64x32, 1 block/SM (<= 255 registers)
+}
+MMQ_KS = 128          # k per pipeline stage (common.cuh)
+MMQ_NSTAGE = 3        # A / q4_K-B buffers
+
+
+def mmq_instance(kind: str, variant: str) -> str:
+    mt, nt, wm, wn, minb = MMQ_VARIANTS[variant]
+    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}>"
+
+
+def mmq_tile(variant: str) -> tuple[int, int, int]:
+    """(BM tokens, BN rows, threads) of a variant."""
+    mt, nt, wm, wn, _ = MMQ_VARIANTS[variant]
+    return wm * mt * 16, wn * nt * 8, wm * wn * 32
+
+
+def mmq_smem_bytes(kind: str, variant: str) -> int:
+    """Dynamic shared memory of an MMQ instance (mirrors Q4KLayout / Q6KLayout; the kernel
+    traps if it is given less)."""
+    bm, bn, _ = mmq_tile(variant)
+    a = MMQ_NSTAGE * (bm * MMQ_KS + bm * 32)
+    tab = 2 * 4 * bn * 8
+    if kind == "q4_k":
+        return a + MMQ_NSTAGE * bn * 64 + tab
+    if kind == "q6_k":
+        return a + 2 * bn * MMQ_KS + tab
+    raise ValueError(f"unknown MMQ kind {kind!r}")
+
+
+INSTANCES: dict[str, tuple[str, ...]] = {
+    "quantize_q8_1.cu": ("quantize_q8_1",),
+    "q6k_expand_check.cu": ("q6k_expand_check",),
+    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v) for v in MMQ_VARIANTS),
+    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v) for v in MMQ_VARIANTS),
+}
+try:  # decode-step kernels (engine/decode_kernels.py is a leaf module listing their names)
+    from engine.decode_kernels import DECODE_INSTANCES as _DECODE_INSTANCES
+except ImportError:  # pragma: no cover - absent in trees without the decode kernels
+    _DECODE_INSTANCES = {}
+INSTANCES.update(_DECODE_INSTANCES)
+# Decode-step kernels (engine/gpu_decode.py): extern "C" names listed in a leaf module.
+from engine.decode_kernels import DECODE_INSTANCES  # noqa: E402
+INSTANCES.update(DECODE_INSTANCES)
+
+
+# ----------------------------------------------------------------------------- source
+
+def kernel_files() -> list[str]:
+    return sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
+
+
+def source(fname: str) -> str:
+    """The assembled source of kernels_cu/<fname> (common.cuh inlined with #line)."""
+    path = KERNEL_DIR / fname
+    lines = path.read_text().splitlines()
+    out = [f'#line 1 "{path}"']
+    inc = re.compile(r'^\s*#\s*include\s+"' + re.escape(COMMON_HEADER) + r'"')
+    header_path = KERNEL_DIR / COMMON_HEADER
+    for i, line in enumerate(lines):
+        if inc.match(line):
+            out.append(f'#line 1 "{header_path}"')
+            out.extend(header_path.read_text().splitlines())
+            out.append(f'#line {i + 2} "{path}"')
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- run time
+
+_modules: dict[tuple[int, str], object] = {}
+_kernels: dict[tuple[int, str, str], object] = {}
+
+
+def get_module(fname: str):
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (dev, fname)
+    mod = _modules.get(key)
+    if mod is None:
+        names = INSTANCES.get(fname)
+        mod = cupy.RawModule(code=source(fname), options=OPTIONS,
+                             name_expressions=list(names) if names else None)
+        mod.compile()
+        _modules[key] = mod
+    return mod
+
+
+def get_kernel(fname: str, name: str, dynamic_smem: int = 0):
+    """cupy.RawKernel `name` of kernels_cu/<fname> for the current device; raises the dynamic
+    shared-memory limit to `dynamic_smem` when that is over the 48 KB default."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (dev, fname, name)
+    k = _kernels.get(key)
+    if k is None:
+        k = get_module(fname).get_function(name)
+        _kernels[key] = k
+    if dynamic_smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < dynamic_smem:
+        k.max_dynamic_shared_size_bytes = dynamic_smem
+    return k
+
+
+# ----------------------------------------------------------------------------- CPU check
+
+@dataclass(frozen=True)
+class Resources:
+    file: str
+    name: str
+    registers: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+
+    def line(self) -> str:
+        return (f"{self.file:22s} {self.name:34s} regs {self.registers:4d}  stack {self.stack:5d} B"
+                f"  spill st/ld {self.spill_stores}/{self.spill_loads} B")
+
+
+class NVRTCMissing(RuntimeError):
+    pass
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except Exception as e:  # pragma: no cover - depends on the environment
+        raise NVRTCMissing(f"cupy_backends NVRTC bindings unavailable: {e}") from e
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # pragma: no cover
+        raise NVRTCMissing(f"NVRTC library not loadable: {e}") from e
+    return nvrtc
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """ptxas -v output -> {mangled name: {registers, stack, spill_stores, spill_loads}}."""
+    res: dict[str, dict[str, int]] = {}
+    cur = None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\S+)", line) or \
+            re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+            res.setdefault(cur, {})
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            res[cur].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                            spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            res[cur]["registers"] = int(m.group(1))
+    return res
+
+
+def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> list[Resources]:
+    """Compile every kernel file (or `files`) for `arch` with NVRTC on the CPU; raise
+    RuntimeError with the compiler log on a compile error; return per-instance resources."""
+    nvrtc = _nvrtc()
+    out: list[Resources] = []
+    for fname in files or kernel_files():
+        names = INSTANCES.get(fname, ())
+        src = source(fname)
+        prog = nvrtc.createProgram(src, fname, [], [])
+        try:
+            for n in names:
+                nvrtc.addNameExpression(prog, n)
+            opts = OPTIONS + CUPY_ADDED_OPTIONS + (f"-arch={arch}", "--ptxas-options=-v")
+            try:
+                nvrtc.compileProgram(prog, list(opts))
+            except Exception as e:
+                raise RuntimeError(f"{fname}: NVRTC compile failed: {e}\n{nvrtc.getProgramLog(prog)}") from e
+            log = nvrtc.getProgramLog(prog)
+            usage = parse_ptxas_log(log)
+            if not names:   # no listed instances: report every entry function ptxas built
+                for lowered, u in sorted(usage.items()):
+                    if "registers" in u:
+                        out.append(Resources(fname, lowered, u["registers"], u.get("stack", 0),
+                                             u.get("spill_stores", 0), u.get("spill_loads", 0)))
+            for n in names:
+                lowered = nvrtc.getLoweredName(prog, n)
+                u = usage.get(lowered)
+                if u is None or "registers" not in u:
+                    raise RuntimeError(f"{fname}: no ptxas usage for {n} ({lowered}) in log:\n{log}")
+                out.append(Resources(fname, n, u["registers"], u.get("stack", 0),
+                                     u.get("spill_stores", 0), u.get("spill_loads", 0)))
+        finally:
+            nvrtc.destroyProgram(prog)
+    return out
+
+
+if __name__ == "__main__":  # python -m engine.kernels: print the sm_90 resource table
+    for r in compile_for_check():
+        print(r.line())

@@ -1,0 +1,251 @@
+// common.cuh: shared types and device helpers for the gguf-prefill kernels.
+//
+// engine/kernels.py inlines this file in place of `#include "common.cuh"` (with #line
+// directives, so compiler messages point here), so the kernels need no include path and
+// CuPy's source-keyed cache sees every change. No CUDA headers are included: f16 is
+// converted with inline PTX, and the built-in NVRTC vector types (uint4, float2, ...)
+// are used.
+//
+// Block layouts (engine/quants.py is the reference):
+//   q4_K 144 B: d f16 @0, dmin f16 @2, scales[12] @4, qs[128] @16 (chunk c = 32 bytes:
+//               sub-block 2c in the low nibbles, 2c+1 in the high nibbles).
+//   q6_K 210 B: ql[128] @0, qh[64] @128, sc[16] int8 @192, d f16 @208;
+//        224 B padded: the same + 14 zero bytes (16-byte aligned blocks).
+//   q8_1 activations (device form): q int8 [T, K], ds float2 [T, K/32] = (d, s).
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------- scalar helpers
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Exact int -> float for |i| < 2^22 without I2F (a quarter-rate conversion on sm_90): the
+// MMA accumulates into C = MMQ_MAGIC_I, the bit pattern of 1.5*2^23, so D's bits read as a
+// float are 1.5*2^23 + dot exactly; subtracting MMQ_MAGIC_F recovers dot (one FADD).
+#define MMQ_MAGIC_I 0x4B400000
+#define MMQ_MAGIC_F 12582912.0f
+
+__device__ __forceinline__ float magic_to_float(int biased) {
+    return __int_as_float(biased) - MMQ_MAGIC_F;
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, const uint4& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// ---------------------------------------------------------------- async copies
+
+// 16-byte global -> shared copy through L2 only; src_bytes = 0 zero-fills (ragged edges).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------- tensor cores
+
+__device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// D = A(16x32 s8, row) * B(32x8 s8, col) + C, all four C lanes = c.
+// Fragments (g = lane>>2, t = lane&3): a0 row g k 4t..4t+3, a1 row g+8, a2 row g k+16, a3 row g+8 k+16;
+// b0 k 4t..4t+3 col g, b1 k+16; d0,d1 row g cols 2t,2t+1; d2,d3 row g+8.
+__device__ __forceinline__ void mma_s8_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                           u32 b0, u32 b1, int c) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
+                   "r"(c), "r"(c), "r"(c), "r"(c));
+}
+
+// D = A(16x16 s8) * B(16x8 s8) + C: a0 row g k 4t.., a1 row g+8; b0 k 4t.. col g.
+__device__ __forceinline__ void mma_s8_k16(int (&d)[4], u32 a0, u32 a1, u32 b0, int c) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 "
+                 "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(c), "r"(c), "r"(c), "r"(c));
+}
+
+// ---------------------------------------------------------------- q6_K expansion
+
+// Per-element expansion (the raw 210-byte arm and the reference for the closed form):
+// element e (0..255) of a q6_K block -> centred value (-32..31).
+__device__ __forceinline__ int expand_q6_elem(const u8* ql, const u8* qh, int e) {
+    const int h = e >> 7, n = e & 127;
+    const int ql_idx = h * 64 + (n & 63);
+    const int ql_shift = (n >> 6) * 4;
+    const int qh_idx = h * 32 + (n & 31);
+    const int qh_shift = ((n >> 5) & 3) * 2;
+    const int v = ((ql[ql_idx] >> ql_shift) & 0x0F) | (((qh[qh_idx] >> qh_shift) & 0x03) << 4);
+    return v - 32;
+}
+
+// 4 packed 6-bit values (0..63, one per byte) -> 4 packed int8 (v - 32): v + 0x60 stays in
+// 0x60..0x9F (no carry between bytes), and flipping bit 7 subtracts 0x80 mod 256.
+__device__ __forceinline__ u32 center_q6x4(u32 v) {
+    return (v + 0x60606060u) ^ 0x80808080u;
+}
+
+// Closed-form expansion of one 64-element unit of a q6_K half-block from three uint4 loads.
+// For half h and l0 in {0, 16}:
+//   ql0 = ql[64h + l0 .. +15], ql1 = ql[64h + 32 + l0 .. +15], qh = qh[32h + l0 .. +15]
+// out[qq] (qq = 0..3) = the 16 centred int8 of elements n = 32*qq + l0 + i (i = 0..15):
+//   low nibble of (qq & 1 ? ql1 : ql0) shifted by 4*(qq >> 1), high 2 bits = qh >> 2*qq.
+__device__ __forceinline__ u32 q6_word(u32 qlw, u32 qhw, int qq) {
+    const u32 lo = (qlw >> (4 * (qq >> 1))) & 0x0F0F0F0Fu;
+    const u32 hi = (2 * qq <= 4) ? ((qhw << (4 - 2 * qq)) & 0x30303030u)
+                                 : ((qhw >> (2 * qq - 4)) & 0x30303030u);
+    return center_q6x4(lo | hi);
+}
+
+__device__ __forceinline__ void expand_q6_unit(const uint4& ql0, const uint4& ql1, const uint4& qh,
+                                               uint4 (&out)[4]) {
+#pragma unroll
+    for (int qq = 0; qq < 4; ++qq) {
+        const uint4& l = (qq & 1) ? ql1 : ql0;
+        out[qq].x = q6_word(l.x, qh.x, qq);
+        out[qq].y = q6_word(l.y, qh.y, qq);
+        out[qq].z = q6_word(l.z, qh.z, qq);
+        out[qq].w = q6_word(l.w, qh.w, qq);
+    }
+}
+
+// The same 64 elements through expand_q6_elem (byte loads), packed like expand_q6_unit.
+__device__ __forceinline__ void expand_q6_unit_elem(const u8* blk, int h, int l0, uint4 (&out)[4]) {
+#pragma unroll
+    for (int qq = 0; qq < 4; ++qq) {
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 acc = 0;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int e = h * 128 + qq * 32 + l0 + j * 4 + b;
+                acc |= ((u32)(expand_q6_elem(blk, blk + 128, e) & 0xFF)) << (8 * b);
+            }
+            w[j] = acc;
+        }
+        out[qq] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// ---------------------------------------------------------------- MMQ tiling (shared by q4_K / q6_K)
+//
+// Block tile BM tokens x BN weight rows, WM x WN warps, warp tile (MT*16) x (NT*8).
+// K advances MMQ_KS = 128 (half a super-block) per stage. The A operand (tokens, q8_1) is
+// staged by cp.async in MMQ_NSTAGE = 3 buffers:
+//   sA   [BM][128] int8, 16-byte chunk ch of row r stored at chunk ch ^ (r & 7)
+//        (ldmatrix reads 8 rows of one chunk: 8 distinct bank groups);
+//   sAds [BM][4] float2 (d8, s8) of the stage's four 32-element blocks.
+#define MMQ_KS 128
+#define MMQ_NSTAGE 3
+
+template <int MT, int NT, int WM, int WN>
+struct MmqShape {
+    static constexpr int NTH = WM * WN * 32;
+    static constexpr int BM = WM * MT * 16;
+    static constexpr int BN = WN * NT * 8;
+    static constexpr int A_BYTES = BM * MMQ_KS;
+    static constexpr int ADS_BYTES = BM * 4 * 8;
+};
+
+__device__ __forceinline__ u32 dyn_smem_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// Issue the cp.async copies of stage s (k = 128 s .. 128 s + 127) of the q8_1 activations.
+// Tokens >= T are zero-filled (src-size 0, the source address clamped to row 0).
+template <int BM, int NTH>
+__device__ __forceinline__ void mmq_stage_a(u32 sA, u32 sAds, const i8* __restrict__ Aq,
+                                            const float2* __restrict__ Ads, int m_base, int T,
+                                            int K, int s, int tid) {
+    constexpr int NP = BM * 8;
+#pragma unroll
+    for (int i = 0; i < (NP + NTH - 1) / NTH; ++i) {
+        const int p = tid + i * NTH;
+        if (NP % NTH == 0 || p < NP) {
+            const int row = p >> 3, ch = p & 7;
+            const int t = m_base + row;
+            const bool ok = t < T;
+            const i8* src = Aq + (size_t)(ok ? t : 0) * K + s * MMQ_KS + ch * 16;
+            cp_async16(sA + row * MMQ_KS + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+        }
+    }
+    constexpr int ND = BM * 2;
+#pragma unroll
+    for (int i = 0; i < (ND + NTH - 1) / NTH; ++i) {
+        const int p = tid + i * NTH;
+        if (ND % NTH == 0 || p < ND) {
+            const int row = p >> 1, hf = p & 1;
+            const int t = m_base + row;
+            const bool ok = t < T;
+            const float2* src = Ads + (size_t)(ok ? t : 0) * (K >> 5) + s * 4 + hf * 2;
+            cp_async16(sAds + row * 32 + hf * 16, src, ok ? 16 : 0);
+        }
+    }
+}
+
+// A fragment (m16 x k32) of m-tile rows [row0, row0+16) and 32-element block c of the stage.
+// lane l reads row row0 + (l&7) + 8*((l>>3)&1), chunk 2c + (l>>4): ldmatrix.x4 then yields
+// exactly a0..a3 of the m16n8k32 A fragment.
+__device__ __forceinline__ void mmq_load_a(u32 (&a)[4], u32 sA, int row0, int c, int lane) {
+    const int r = lane & 7;
+    const int row = row0 + r + (((lane >> 3) & 1) << 3);
+    const int ch = 2 * c + (lane >> 4);
+    ldmatrix_x4(a[0], a[1], a[2], a[3], sA + row * MMQ_KS + ((ch ^ r) << 4));
+}
+
+// Store the accumulators: y[t, n] row-major [T, N]; d0,d1 -> (g, 2t..2t+1), d2,d3 -> (g+8, ..).
+template <int MT, int NT>
+__device__ __forceinline__ void mmq_store(float* __restrict__ Y, const float (&acc)[MT][NT][4],
+                                          int T, int N, int t_base, int n_base, int lane) {
+    const int g = lane >> 2, tig = lane & 3;
+    const bool pairs = (N & 1) == 0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int t = t_base + mt * 16 + g + 8 * half;
+            if (t >= T) continue;
+            float* yrow = Y + (size_t)t * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int n = n_base + nt * 8 + 2 * tig;
+                const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+                if (pairs && n + 1 < N) {
+                    *reinterpret_cast<float2*>(yrow + n) = make_float2(v0, v1);
+                } else {
+                    if (n < N) yrow[n] = v0;
+                    if (n + 1 < N) yrow[n + 1] = v1;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+// mmq_q6_k.cu: y[T, N] = x[T, K] . W[N, K]^T with W in q6_K blocks and x in q8_1 blocks,
+// int8 tensor cores (mma.sync m16n8k16 s8.s8.s32), f32 output, token-major rows.
+//
+// Inputs: W uint8 [N, K/256 * bstride], bstride = 210 (raw GGUF) or 224 (padded: the 210
+//         bytes + 14 zero bytes, every block 16-byte aligned);
+//         Aq int8 [T, K], Ads float2 [T, K/32] = (d8, s8) (quantize_q8_1.cu);
+//         Y float32 [T, N]. Any T >= 1, N >= 1, K % 256 == 0.
+// Formula (16-element sub-blocks j; q8_1 block g = j / 2; engine.quants mmq_reference_q6_k):
+//   y[t,n] = sum_g d8[t,g] * ( (d sc[n,2g]) dot16_lo + (d sc[n,2g+1]) dot16_hi )
+//   dot16 = sum over 16 elements of (q6 - 32) * q8.
+// The scale changes every 16 elements, so a q8_1 block (k32) is two m16n8k16 MMAs, each
+// with its own integer dot (biased by MMQ_MAGIC: exact int->float with one FADD), then
+//   u = dot_lo * dsc_lo;  u = fma(dot_hi, dsc_hi, u);  acc = fma(u, d8, acc).
+// (An m16n8k32 would sum both halves under one scale; pre-scaling B by sc overflows int8.)
+//
+// B staging (per stage k = 128, half h of super-block b): the weight tile is expanded to
+// centred int8 (-32..31) in shared memory, sB [BN][128] with 16-byte chunk ch of row r at
+// ch ^ (r & 7), 2 buffers. A unit = (row, l0 in {0,16}) = 64 elements n = 32 qq + l0 + i:
+//   padded arm ((bstride & 15) == 0): three uint4 loads ql[64h+l0..], ql[64h+32+l0..],
+//     qh[32h+l0..] (all 16-byte aligned), prefetched into registers one stage ahead, then
+//     expand_q6_unit (closed form in registers) -> four 16-byte smem stores;
+//   raw arm (210-byte rows, 2-byte aligned): expand_q6_elem per element (byte loads).
+// Both arms write identical bytes, so their outputs are bit-identical.
+// sTab [4][BN] float2 (d*sc_lo, d*sc_hi) per row and q8_1 block of the stage, 2 buffers.
+// A (activations) as in mmq_q4_k.cu: cp.async, 3 buffers; one __syncthreads per stage.
+#include "common.cuh"
+
+template <int MT, int NT, int WM, int WN>
+struct Q6KLayout {
+    using S = MmqShape<MT, NT, WM, WN>;
+    static constexpr int B_BYTES = S::BN * MMQ_KS;
+    static constexpr int TAB_BYTES = 4 * S::BN * 8;
+    static constexpr int OFF_ADS = MMQ_NSTAGE * S::A_BYTES;
+    static constexpr int OFF_B = OFF_ADS + MMQ_NSTAGE * S::ADS_BYTES;
+    static constexpr int OFF_TAB = OFF_B + 2 * B_BYTES;
+    static constexpr int SMEM = OFF_TAB + 2 * TAB_BYTES;
+};
+
+template <int MT, int NT, int WM, int WN, int MINB>
+__global__ void __launch_bounds__(WM * WN * 32, MINB)
+mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
+         float* __restrict__ Y, int T, int N, int K, int bstride) {
+    using S = MmqShape<MT, NT, WM, WN>;
+    using L = Q6KLayout<MT, NT, WM, WN>;
+    constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN;
+    static_assert(NT % 2 == 0, "NT must be even (one ldmatrix.x4 covers two n-tiles)");
+    constexpr int NU = 2 * BN;                      // expansion units: (row, l0)
+    constexpr int UPT = (NU + NTH - 1) / NTH;
+
+    extern __shared__ __align__(16) u8 smem[];
+    if (dyn_smem_bytes() < (u32)L::SMEM) __trap();
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int wm = warp / WN, wn = warp % WN;
+    const int m0 = wm * MT * 16, n0 = wn * NT * 8;
+    const int n_base = blockIdx.x * BN, m_base = blockIdx.y * BM;
+    const int nst = K / MMQ_KS;
+    const size_t rb = (size_t)(K >> 8) * bstride;
+    const bool padded = (bstride & 15) == 0;       // the uint4 gate
+    const u32 sbase = smem_u32(smem);
+
+    // ---- B prefetch registers (padded arm)
+    uint4 pql0[UPT], pql1[UPT], pqh[UPT];
+    uint2 psc[UPT];
+    u32 pd[UPT];
+    auto load_b = [&](int s) {
+        const int h = s & 1;
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int u = tid + i * NTH;
+            const int row = u % BN, l0 = (u / BN) * 16;
+            const int n = n_base + row;
+            pql0[i] = pql1[i] = pqh[i] = make_uint4(0, 0, 0, 0);
+            psc[i] = make_uint2(0, 0);
+            pd[i] = 0;
+            if (padded && (NU % NTH == 0 || u < NU) && n < N) {
+                const u8* blk = W + (size_t)n * rb + (size_t)(s >> 1) * bstride;
+                pql0[i] = __ldg(reinterpret_cast<const uint4*>(blk + 64 * h + l0));
+                pql1[i] = __ldg(reinterpret_cast<const uint4*>(blk + 64 * h + 32 + l0));
+                pqh[i] = __ldg(reinterpret_cast<const uint4*>(blk + 128 + 32 * h + l0));
+                psc[i] = __ldg(reinterpret_cast<const uint2*>(blk + 192 + 8 * h));
+                pd[i] = __ldg(reinterpret_cast<const u16*>(blk + 208));
+            }
+        }
+    };
+    auto store_b = [&](int s, int bb) {
+        const u32 sB = sbase + L::OFF_B + bb * L::B_BYTES;
+        float* tab = reinterpret_cast<float*>(smem + L::OFF_TAB + bb * L::TAB_BYTES);
+        const int h = s & 1;
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int u = tid + i * NTH;
+            if (NU % NTH == 0 || u < NU) {
+                const int row = u % BN, l0b = u / BN;
+                const int n = n_base + row;
+                const u32 rowB = sB + row * MMQ_KS;
+                if (padded || n >= N) {
+                    // padded arm (or an out-of-range row: the prefetch registers are zero)
+                    uint4 out[4];
+                    expand_q6_unit(pql0[i], pql1[i], pqh[i], out);
+                    const float d = f16_to_f32((u16)pd[i]);
+#pragma unroll
+                    for (int qq = 0; qq < 4; ++qq) {
+                        const u32 w = (qq < 2) ? psc[i].x : psc[i].y;
+                        const int sc = (int)(i8)((w >> (8 * ((2 * qq + l0b) & 3))) & 0xFF);
+                        const int ch = 2 * qq + l0b;
+                        if (n >= N) out[qq] = make_uint4(0, 0, 0, 0);
+                        st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), out[qq]);
+                        tab[2 * (qq * BN + row) + l0b] = (n >= N) ? 0.0f : d * (float)sc;
+                    }
+                } else {
+                    // raw arm: per-element byte loads (expand_q6_elem), one 16-byte group at a time
+                    const u8* blk = W + (size_t)n * rb + (size_t)(s >> 1) * bstride;
+                    const float d = f16_to_f32((u16)(blk[208] | (blk[209] << 8)));
+#pragma unroll 1
+                    for (int qq = 0; qq < 4; ++qq) {
+                        u32 w[4];
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            u32 acc4 = 0;
+#pragma unroll
+                            for (int b = 0; b < 4; ++b) {
+                                const int e = h * 128 + qq * 32 + 16 * l0b + 4 * j + b;
+                                acc4 |= ((u32)(expand_q6_elem(blk, blk + 128, e) & 0xFF)) << (8 * b);
+                            }
+                            w[j] = acc4;
+                        }
+                        const int ch = 2 * qq + l0b;
+                        st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), make_uint4(w[0], w[1], w[2], w[3]));
+                        tab[2 * (qq * BN + row) + l0b] = d * (float)(int)(i8)blk[192 + 8 * h + 2 * qq + l0b];
+                    }
+                }
+            }
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    // ---- prologue
+    mmq_stage_a<BM, NTH>(sbase, sbase + L::OFF_ADS, Aq, Ads, m_base, T, K, 0, tid);
+    cp_async_commit();
+    if (nst > 1)
+        mmq_stage_a<BM, NTH>(sbase + S::A_BYTES, sbase + L::OFF_ADS + S::ADS_BYTES, Aq, Ads,
+                             m_base, T, K, 1, tid);
+    cp_async_commit();
+    load_b(0);
+    store_b(0, 0);
+    if (nst > 1) load_b(1);
+
+    const int lr = lane & 7;
+    int bs = 0;                                   // A buffer of stage s (s % 3)
+    for (int s = 0; s < nst; ++s) {
+        cp_async_wait<1>();
+        __syncthreads();
+        {
+            const int bs2 = (bs >= 1) ? bs - 1 : 2;   // (s + 2) % 3
+            if (s + 2 < nst)
+                mmq_stage_a<BM, NTH>(sbase + bs2 * S::A_BYTES, sbase + L::OFF_ADS + bs2 * S::ADS_BYTES,
+                                     Aq, Ads, m_base, T, K, s + 2, tid);
+            cp_async_commit();
+        }
+        const u32 sA = sbase + bs * S::A_BYTES;
+        const float2* sAds = reinterpret_cast<const float2*>(smem + L::OFF_ADS + bs * S::ADS_BYTES);
+        const u32 sB = sbase + L::OFF_B + (s & 1) * L::B_BYTES;
+        const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + (s & 1) * L::TAB_BYTES);
+
+#pragma unroll 1
+        for (int c = 0; c < 4; ++c) {
+            u32 b[NT][2];
+            float4 rs[NT];
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                const int row = n0 + (2 * np + (lane >> 4)) * 8 + lr;
+                const int ch = 2 * c + ((lane >> 3) & 1);
+                ldmatrix_x4(b[2 * np][0], b[2 * np][1], b[2 * np + 1][0], b[2 * np + 1][1],
+                            sB + row * MMQ_KS + ((ch ^ lr) << 4));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                rs[nt] = *reinterpret_cast<const float4*>(tab + 2 * (c * BN + n0 + nt * 8 + 2 * tig));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 a[4];
+                mmq_load_a(a, sA, m0 + mt * 16, c, lane);
+                const float dl = sAds[(m0 + mt * 16 + g) * 4 + c].x;
+                const float dh = sAds[(m0 + mt * 16 + g + 8) * 4 + c].x;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    int lo[4], hi[4];
+                    mma_s8_k16(lo, a[0], a[1], b[nt][0], MMQ_MAGIC_I);
+                    mma_s8_k16(hi, a[2], a[3], b[nt][1], MMQ_MAGIC_I);
+                    float* o = acc[mt][nt];
+                    o[0] = fmaf(fmaf(magic_to_float(hi[0]), rs[nt].y, magic_to_float(lo[0]) * rs[nt].x), dl, o[0]);
+                    o[1] = fmaf(fmaf(magic_to_float(hi[1]), rs[nt].w, magic_to_float(lo[1]) * rs[nt].z), dl, o[1]);
+                    o[2] = fmaf(fmaf(magic_to_float(hi[2]), rs[nt].y, magic_to_float(lo[2]) * rs[nt].x), dh, o[2]);
+                    o[3] = fmaf(fmaf(magic_to_float(hi[3]), rs[nt].w, magic_to_float(lo[3]) * rs[nt].z), dh, o[3]);
+                }
+            }
+        }
+
+        if (s + 1 < nst) {
+            store_b(s + 1, (s + 1) & 1);
+            if (s + 2 < nst) load_b(s + 2);
+        }
+        bs = (bs == 2) ? 0 : bs + 1;
+    }
+
+    mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call: install carried wheels, run the GPU tests, run the GEMM microbenchmark,
+# print a short summary table last. Full logs and JSON go to $OUT (or ./.gpu_out).
+#
+#   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"])
+#   STEPS="tests bench" (default) selects sections; add a section by writing a function
+#   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/.gpu_out}"
+mkdir -p "$OUT"
+export GPU_REPORT="$OUT/gpu_report.jsonl"
+: > "$GPU_REPORT"
+STEPS="${STEPS:-tests bench}"
+STATUS=0
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}" \
+      || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+
+section() { echo; echo "=================== $* ($(date +%T))"; }
+
+step_env() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())"
+}
+
+step_tests() {
+  python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/ 2>&1 | tee "$OUT/pytest_gpu.log"
+  return "${PIPESTATUS[0]}"
+}
+
+step_bench() {
+  python3 -m engine.gemm_bench --json "$OUT/gemm_bench.json" 2>&1 | tee "$OUT/gemm_bench.log"
+  return "${PIPESTATUS[0]}"
+}
+
+for s in env $STEPS; do
+  section "$s"
+  "step_$s" || { echo "!! step $s failed (rc $?)"; STATUS=1; }
+done
+
+section summary
+python3 scripts/gpu_summary.py "$OUT" || STATUS=1
+exit $STATUS

@@ -1,0 +1,50 @@
+"""Print the short summary of a scripts/gpu_check.sh run from the files in OUT."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(out: str) -> int:
+    rep = os.path.join(out, "gpu_report.jsonl")
+    recs = []
+    if os.path.exists(rep):
+        recs = [json.loads(line) for line in open(rep) if line.strip()]
+    by = {}
+    for r in recs:
+        by.setdefault(r["test"], []).append(r)
+    if "quantize_q8_1" in by:
+        rs = by["quantize_q8_1"]
+        print(f"q8_1: {len(rs)} shapes, {sum(r['blocks'] for r in rs)} blocks, mismatches "
+              f"q/d/s = {sum(r['q_mismatches'] for r in rs)}/{sum(r['d_mismatches'] for r in rs)}/"
+              f"{sum(r['s_mismatches'] for r in rs)}")
+    for r in by.get("q6k_expand", []):
+        print(f"q6_K expansion: {r['elements']} elements, closed-form vs per-element mismatches "
+              f"{r['closed_vs_elem_mismatches']}, vs numpy {r['closed_vs_numpy_mismatches']}")
+    if "q6k_raw_vs_padded" in by:
+        rs = by["q6k_raw_vs_padded"]
+        print(f"q6_K raw vs padded: {len(rs)} runs, {sum(r['elements'] for r in rs)} outputs, "
+              f"bit mismatches {sum(r['bit_mismatches'] for r in rs)}")
+    if "mmq" in by:
+        groups = {}
+        for r in by["mmq"]:
+            groups.setdefault((r["kind"], r["layout"], r["variant"]), []).append(r)
+        print(f"{'kind':5s} {'layout':6s} {'variant':11s} {'runs':>4s} {'bad':>4s} {'worst/uS':>9s} "
+              f"{'bound/uS':>12s} {'max rel_l2':>10s}  shapes (T,N,K)")
+        for (kind, layout, v), rs in groups.items():
+            shapes = " ".join(f"{r['T']},{r['N']},{r['K']}" for r in rs)
+            print(f"{kind:5s} {layout:6s} {v:11s} {len(rs):4d} {sum(r['bad'] for r in rs):4d} "
+                  f"{max(r['worst_err_over_uS'] for r in rs):9.2f} "
+                  f"{min(r['bound_over_uS'] for r in rs):5.0f}..{max(r['bound_over_uS'] for r in rs):<5.0f} "
+                  f"{max(r['rel_l2'] for r in rs):10.2e}  {shapes}")
+    bj = os.path.join(out, "gemm_bench.json")
+    if os.path.exists(bj):
+        from engine.gemm_bench import table
+        print("\n# GEMM microbenchmark (median ms; ratio = cuBLAS f16 ms / MMQ ms, same run)")
+        print(table(json.load(open(bj))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ".gpu_out"))

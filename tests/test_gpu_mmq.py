@@ -1,0 +1,245 @@
+"""GPU: q8_1 quantization, the q6_K closed-form expansion, and the q4_K / q6_K MMQ GEMMs
+against the numpy oracle (engine.quants), on fresh random inputs with poisoned outputs.
+
+Error bound for the GEMMs (stated, asserted per element):
+    |y - ref| <= (K/16 + 4) * 2^-24 * S,   S = sum over the scaled terms of their magnitudes
+    q4_K: S = sum_g |d sc| |d8| sum_l q4 |q8| + |dmin m| |s8|
+    q6_K: S = sum_j |d sc_j| |d8| sum_l |q6 - 32| |q8|
+The integer dots are exact (int32 MMA, exact int->float); each scaled term is formed with at
+most three float32 roundings and the K/32 (q4_K: 2 K/32) terms are summed in float32, so the
+classic gamma_n bound applies with n <= K/16 + 3. The observed worst ratio |y - ref| / (2^-24 S)
+is reported (GPU_REPORT) next to the bound.
+
+Every test skips without a GPU (marker `gpu`, conftest). With GPU_REPORT=<file> each check
+appends one JSON line with its figures (scripts/gpu_check.sh prints them).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from engine import quants as Q
+
+pytestmark = pytest.mark.gpu
+
+U = 2.0 ** -24
+
+
+def _report(**kw):
+    path = os.environ.get("GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(kw) + "\n")
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(8), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def rand_rows(rng, kind, n_rows, K):
+    """Random valid blocks: random bytes, f16 scale fields finite (incl. negative/zero/tiny)."""
+    bb = Q.Q4_K_BYTES if kind == "q4_k" else Q.Q6_K_BYTES
+    offs = (0, 2) if kind == "q4_k" else (208,)
+    nb = K // Q.QK_K
+    b = rng.integers(0, 256, (n_rows * nb, bb), dtype=np.uint8)
+    for off in offs:
+        v = rng.uniform(-0.05, 0.05, b.shape[0]).astype("<f2")
+        v[::29] = np.float16(6e-8)
+        v[::31] = np.float16(0.0)
+        b[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
+    return b.reshape(n_rows, nb * bb)
+
+
+def rand_act(rng, T, K):
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-2, 2, (T, 1))).astype(np.float32)
+    x[0, :32] = 0.0                                  # amax == 0 block
+    if K >= 64:
+        x[0, 32:64] *= np.float32(1e-38)             # tiny / subnormal block
+    if T > 1:
+        x[1, : K // 2] = np.round(x[1, : K // 2])    # exact ties for roundf
+    return x
+
+
+def abs_terms(kind, w, q, d, s, padded=False):
+    """S of the module docstring, float64 [T, N]."""
+    T, K = q.shape
+    N = w.shape[0]
+    aq = np.abs(q.astype(np.float32))
+    ad = np.abs(np.asarray(d, np.float64)).reshape(T, K // 32)
+    if kind == "q4_k":
+        dw, dmin, sc, m, q4 = Q.q4_k_fields(w.reshape(-1, Q.Q4_K_BYTES))
+        G = K // 32
+        A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, G)
+        M = np.abs(dmin.astype(np.float64)[:, None] * m).reshape(N, G)
+        tot = np.abs(np.asarray(s, np.float64)).reshape(T, G) @ M.T
+        wq = q4.reshape(N, G, 32).astype(np.float32)
+        for g in range(G):
+            dots = aq[:, 32 * g:32 * g + 32] @ wq[:, g, :].T
+            tot += (ad[:, g:g + 1] * A[None, :, g]) * dots
+        return tot
+    bb = Q.Q6_K_PADDED_BYTES if padded else Q.Q6_K_BYTES
+    dw, sc, q6 = Q.q6_k_fields(w.reshape(-1, bb), padded=padded)
+    J = K // 16
+    A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, J)
+    wq = np.abs(q6.reshape(N, J, 16).astype(np.float32))
+    tot = np.zeros((T, N))
+    for j in range(J):
+        dots = aq[:, 16 * j:16 * j + 16] @ wq[:, j, :].T
+        tot += (ad[:, j // 2:j // 2 + 1] * A[None, :, j]) * dots
+    return tot
+
+
+def describe_errors(bad):
+    """Where the failing elements are (for a kernel bug: tile / fragment patterns)."""
+    t, n = np.nonzero(bad)
+    if t.size == 0:
+        return "none"
+    return (f"{t.size} of {bad.size} bad; first (t={t[0]}, n={n[0]}); "
+            f"t%16 hist {np.bincount(t % 16, minlength=16).tolist()}; "
+            f"n%8 hist {np.bincount(n % 8, minlength=8).tolist()}; "
+            f"t range {t.min()}..{t.max()}, n range {n.min()}..{n.max()}")
+
+
+# ----------------------------------------------------------------------------- q8_1
+
+@pytest.mark.parametrize("T,K", [(1, 256), (7, 4096), (65, 11008), (3314, 4096)])
+def test_quantize_q8_1_identical(cp, rng, T, K):
+    from engine import gpu_ops
+
+    x = rand_act(rng, T, K)
+    qr, dr, sr = Q.quantize_q8_1(x)
+    out = gpu_ops.Q8Act(cp.full((T, K), -128, dtype=cp.int8),          # poison: never produced
+                        cp.full((T, K // 32, 2), np.nan, dtype=cp.float32))
+    act = gpu_ops.quantize_q8_1(cp.asarray(x), out=out)
+    q = cp.asnumpy(act.q)
+    ds = cp.asnumpy(act.ds)
+    mism_q = int((q != qr).sum())
+    mism_d = int((ds[..., 0].view(np.uint32) != dr.view(np.uint32)).sum())
+    mism_s = int((ds[..., 1].view(np.uint32) != sr.view(np.uint32)).sum())
+    _report(test="quantize_q8_1", T=T, K=K, elements=T * K, blocks=T * K // 32,
+            q_mismatches=mism_q, d_mismatches=mism_d, s_mismatches=mism_s)
+    assert mism_q == 0 and mism_d == 0 and mism_s == 0, (mism_q, mism_d, mism_s)
+
+
+# ----------------------------------------------------------------------------- q6_K expansion
+
+def test_q6k_closed_form_expansion(cp, rng):
+    from engine import gpu_ops
+
+    nblocks = 4096                                          # 1,048,576 elements
+    raw = rand_rows(rng, "q6_k", nblocks, Q.QK_K)           # [nblocks, 210]
+    padded = Q.repack_q6_k_padded(raw)
+    closed, elem = gpu_ops.q6k_expand_check(cp.asarray(padded))
+    closed, elem = cp.asnumpy(closed), cp.asnumpy(elem)
+    _, _, qref = Q.q6_k_fields(raw)
+    mism = int((closed != elem).sum())
+    mism_ref = int((closed != qref).sum())
+    _report(test="q6k_expand", elements=int(closed.size), closed_vs_elem_mismatches=mism,
+            closed_vs_numpy_mismatches=mism_ref)
+    assert closed.size >= 512_000
+    assert mism == 0 and mism_ref == 0, (mism, mism_ref)
+
+
+# ----------------------------------------------------------------------------- MMQ
+
+SHAPES = [(1, 300, 512), (7, 333, 1024), (65, 257, 4096), (3314, 200, 512), (130, 129, 256)]
+
+
+def _variants():
+    from engine import kernels
+    return list(kernels.MMQ_VARIANTS)
+
+
+def _run_mmq(cp, w_dev, act, T, N, variant):
+    from engine import gpu_ops
+
+    y = cp.full((T, N), np.nan, dtype=cp.float32)                      # poison
+    gpu_ops.mmq(w_dev, act, out=y, variant=variant)
+    return cp.asnumpy(y)
+
+
+def _check_gemm(kind, variant, T, N, K, y, ref, S, label):
+    bound = (K / 16 + 4) * U * S
+    err = np.abs(y.astype(np.float64) - ref)
+    finite = np.isfinite(y)
+    bad = ~finite | (err > bound)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(S > 0, err / (U * S), 0.0)
+    worst = float(np.nanmax(np.where(finite, ratio, np.inf))) if y.size else 0.0
+    rel = float(np.linalg.norm(np.where(finite, y, 0) - ref) / max(np.linalg.norm(ref), 1e-300))
+    _report(test="mmq", kind=kind, layout=label, variant=variant, T=T, N=N, K=K,
+            bad=int(bad.sum()), nonfinite=int((~finite).sum()),
+            worst_err_over_uS=worst, bound_over_uS=K / 16 + 4, rel_l2=rel)
+    assert not bad.any(), f"{kind}/{label}/{variant} T={T} N={N} K={K}: {describe_errors(bad)}"
+
+
+@pytest.mark.parametrize("variant", _variants())
+@pytest.mark.parametrize("T,N,K", SHAPES)
+def test_mmq_q4_k(cp, rng, variant, T, N, K):
+    from engine import gpu_ops
+    from engine.gpu_weights import upload_weight
+
+    w = rand_rows(rng, "q4_k", N, K)
+    x = rand_act(rng, T, K)
+    q, d, s = Q.quantize_q8_1(x)
+    act = gpu_ops.quantize_q8_1(cp.asarray(x))
+    assert np.array_equal(cp.asnumpy(act.q), q)
+    wd = upload_weight(w, "Q4_K")
+    y = _run_mmq(cp, wd, act, T, N, variant)
+    ref = Q.mmq_reference_q4_k(w, q, d, s)
+    _check_gemm("q4_k", variant, T, N, K, y, ref, abs_terms("q4_k", w, q, d, s), "raw")
+
+
+@pytest.mark.parametrize("variant", _variants())
+@pytest.mark.parametrize("T,N,K", SHAPES)
+def test_mmq_q6_k_raw_and_padded(cp, rng, variant, T, N, K):
+    from engine import gpu_ops
+    from engine.gpu_weights import upload_weight
+
+    w = rand_rows(rng, "q6_k", N, K)
+    x = rand_act(rng, T, K)
+    q, d, s = Q.quantize_q8_1(x)
+    act = gpu_ops.quantize_q8_1(cp.asarray(x))
+    w_raw = upload_weight(w, "Q6_K", pad_q6k=False)
+    w_pad = upload_weight(w, "Q6_K", pad_q6k=True)
+    assert not w_raw.padded and w_pad.padded and w_pad.block_stride == 224
+    assert np.array_equal(cp.asnumpy(w_pad.data), Q.repack_q6_k_padded(w))
+    y_raw = _run_mmq(cp, w_raw, act, T, N, variant)
+    y_pad = _run_mmq(cp, w_pad, act, T, N, variant)
+    ident = int((y_raw.view(np.uint32) != y_pad.view(np.uint32)).sum())
+    _report(test="q6k_raw_vs_padded", variant=variant, T=T, N=N, K=K, elements=int(y_raw.size),
+            bit_mismatches=ident)
+    ref = Q.mmq_reference_q6_k(w, q, d, s)
+    S = abs_terms("q6_k", w, q, d, s)
+    _check_gemm("q6_k", variant, T, N, K, y_raw, ref, S, "raw")
+    _check_gemm("q6_k", variant, T, N, K, y_pad, ref, S, "padded")
+    assert ident == 0, f"raw vs padded: {ident} elements differ"
+
+
+def test_linear_matches_two_steps(cp, rng):
+    from engine import gpu_ops
+    from engine.gpu_weights import upload_weight
+
+    T, N, K = 33, 160, 512
+    w = upload_weight(rand_rows(rng, "q4_k", N, K), "Q4_K")
+    x = cp.asarray(rand_act(rng, T, K))
+    y1 = cp.asnumpy(gpu_ops.linear(w, x))
+    y2 = cp.asnumpy(gpu_ops.mmq(w, gpu_ops.quantize_q8_1(x)))
+    assert np.array_equal(y1.view(np.uint32), y2.view(np.uint32))
