@@ -198,8 +198,16 @@ def main(argv=None) -> int:
     import cupy as cp
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"# device {props['name'].decode()} sm_{props['major']}{props['minor']}, "
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"# device {name} sm_{props['major']}{props['minor']}, "
           f"{props['multiProcessorCount']} SMs; cupy {cp.__version__}")
+    from engine import kernels
+    for kind in ("q4_k", "q6_k"):
+        for v in (variants or kernels.MMQ_VARIANTS):
+            k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, v),
+                                   dynamic_smem=kernels.mmq_smem_bytes(kind, v))
+            print(f"# {kind} {v:11s} {kernels.mmq_instance(kind, v):26s} regs {k.num_regs} "
+                  f"local {k.local_size_bytes} B smem {kernels.mmq_smem_bytes(kind, v)} B")
     print(HEADER, flush=True)
     rows = run(tokens=tokens, variants=variants, reps=a.reps,
                log=lambda s: print(s, flush=True))

@@ -3,6 +3,7 @@
 # print a short summary table last. Full logs and JSON go to $OUT (or ./.gpu_out).
 #
 #   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"])
+#   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections; add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
@@ -29,9 +30,17 @@ step_env() {
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())"
 }
 
+# GPU_TESTS: ';'-separated pytest argument lists, each run in its own process (a sticky CUDA
+# error in one cannot spoil the others). Default: every gpu-marked test under tests/.
 step_tests() {
-  python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/ 2>&1 | tee "$OUT/pytest_gpu.log"
-  return "${PIPESTATUS[0]}"
+  local rc=0 args
+  IFS=';' read -ra groups <<< "${GPU_TESTS:-tests/}"
+  for args in "${groups[@]}"; do
+    echo "--- pytest -m gpu $args"
+    eval "python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $args" 2>&1 | tee -a "$OUT/pytest_gpu.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  done
+  return $rc
 }
 
 step_bench() {
