@@ -34,6 +34,7 @@ MMQ_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
     "m64n128": (2, 4, 2, 4, 2),      # 8 warps of 32x32, 2 blocks/SM (<= 128 registers)
     "m128n128": (2, 4, 4, 4, 1),     # 16 warps of 32x32, 1 block/SM (<= 128 registers)
     "m128n128w8": (4, 4, 2, 4, 1),   # 8 warps of 64x32, 1 block/SM (<= 255 registers)
+    "m64n64": (2, 2, 2, 4, 3),       # 8 warps of 32x16, 3 blocks/SM (<= 80 registers)
 }
 MMQ_KS = 128          # k per pipeline stage (common.cuh)
 MMQ_NSTAGE = 3        # A / q4_K-B buffers
@@ -55,11 +56,10 @@ def mmq_smem_bytes(kind: str, variant: str) -> int:
     traps if it is given less)."""
     bm, bn, _ = mmq_tile(variant)
     a = MMQ_NSTAGE * (bm * MMQ_KS + bm * 32)
-    tab = 2 * 4 * bn * 8
-    if kind == "q4_k":
-        return a + MMQ_NSTAGE * bn * 64 + tab
-    if kind == "q6_k":
-        return a + 2 * bn * MMQ_KS + tab
+    if kind == "q4_k":     # qs planes + 2 x {float2 (dsc, -M dsc), float -dmm} [4][BN]
+        return a + MMQ_NSTAGE * bn * 64 + 2 * 4 * bn * 12
+    if kind == "q6_k":     # expanded B planes + 2 x float4 [4][BN]
+        return a + 2 * bn * MMQ_KS + 2 * 4 * bn * 16
     raise ValueError(f"unknown MMQ kind {kind!r}")
 
 

@@ -8,9 +8,11 @@
 // mmq_reference_q4_k):
 //   y[t,n] = sum_g  (d[n,b] sc[n,g]) d8[t,g] sum_l q4[n,g,l] q8[t,g,l]
 //                 - (dmin[n,b] m[n,g]) s8[t,g]
-// One k32 MMA step = one sub-block = one q8_1 block; its integer dot comes out of the MMA
-// biased by MMQ_MAGIC (exact int->float with one FADD), then per element:
-//   acc += dot * (dsc * d8);  acc -= dmm * s8          (dsc = d*sc, dmm = dmin*m exact in f32)
+// One k32 MMA step = one sub-block = one q8_1 block. The MMA accumulates onto C = MMQ_MAGIC_I,
+// so D read as a float is exactly M + dot (M = 1.5*2^23); then per element, three FFMAs:
+//   u   = fma(D, dsc, -M*dsc)   = round(dot * dsc)   (exact operands: dsc = d*sc has <= 17
+//                                                      significant bits, M*dsc <= 19)
+//   acc = fma(u, d8, acc);  acc = fma(-dmm, s8, acc)     (dmm = dmin*m, exact)
 //
 // Tiles and staging (MmqShape in common.cuh): per stage (k = 128, half a super-block)
 //   sA/sAds  q8_1 activations, cp.async, 3 buffers (see mmq_stage_a);
@@ -18,8 +20,9 @@
 //                 16-byte chunk ch of row r at ch ^ ((r >> 1) & 3) (conflict-free ldmatrix);
 //                 one ldmatrix.x4 word serves two sub-blocks: low nibbles (& 0x0F0F0F0F) for
 //                 sub-block 2c, high nibbles (>> 4) for 2c+1;
-//   sTab[4][BN]   float2 (d*sc, dmin*m) per row and sub-block, 2 buffers, written from the
-//                 16-byte block header prefetched into registers one stage ahead.
+//   sTab[4][BN]   float2 (d*sc, -M*d*sc) per row and sub-block, then sTabM[4][BN] float
+//                 -dmin*m; 2 buffers, written from the 16-byte block header prefetched into
+//                 registers one stage ahead.
 // One __syncthreads per stage; stage s+2 copies in flight while stage s is computed.
 // Ragged T / N: zero-filled tiles (cp.async src-size 0) and guarded stores.
 #include "common.cuh"
@@ -28,7 +31,7 @@ template <int MT, int NT, int WM, int WN>
 struct Q4KLayout {
     using S = MmqShape<MT, NT, WM, WN>;
     static constexpr int B_BYTES = S::BN * 64;
-    static constexpr int TAB_BYTES = 4 * S::BN * 8;
+    static constexpr int TAB_BYTES = 4 * S::BN * 12;    // float2 [4][BN] + float [4][BN]
     static constexpr int OFF_ADS = MMQ_NSTAGE * S::A_BYTES;
     static constexpr int OFF_B = OFF_ADS + MMQ_NSTAGE * S::ADS_BYTES;
     static constexpr int OFF_TAB = OFF_B + MMQ_NSTAGE * B_BYTES;
@@ -96,6 +99,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     };
     auto write_tab = [&](int s, int bt) {
         float2* tab = reinterpret_cast<float2*>(smem + L::OFF_TAB + bt * L::TAB_BYTES);
+        float* tabm = reinterpret_cast<float*>(smem + L::OFF_TAB + bt * L::TAB_BYTES + 4 * BN * 8);
         const int h = s & 1;
 #pragma unroll
         for (int i = 0; i < UPT; ++i) {
@@ -113,7 +117,9 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     int sc, m;
                     if (h == 0) { sc = b0 & 63; m = b1 & 63; }
                     else        { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
-                    tab[c * BN + row] = make_float2(d * (float)sc, dmin * (float)m);
+                    const float dsc = d * (float)sc;
+                    tab[c * BN + row] = make_float2(dsc, -MMQ_MAGIC_F * dsc);
+                    tabm[c * BN + row] = -(dmin * (float)m);
                 }
             }
         }
@@ -150,6 +156,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         const float2* sAds = reinterpret_cast<const float2*>(smem + L::OFF_ADS + bs * S::ADS_BYTES);
         const u32 sB = sbase + L::OFF_B + bs * L::B_BYTES;
         const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + (s & 1) * L::TAB_BYTES);
+        const float* tabm = tab + 4 * BN * 2;
 
 #pragma unroll 1
         for (int jp = 0; jp < 2; ++jp) {
@@ -166,11 +173,13 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                 const int c = 2 * jp + hh;
                 u32 b[NT][2];
                 float4 rs[NT];
+                float2 mm[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     b[nt][0] = (braw[nt][0] >> (4 * hh)) & 0x0F0F0F0Fu;
                     b[nt][1] = (braw[nt][1] >> (4 * hh)) & 0x0F0F0F0Fu;
                     rs[nt] = *reinterpret_cast<const float4*>(tab + 2 * (c * BN + n0 + nt * 8 + 2 * tig));
+                    mm[nt] = *reinterpret_cast<const float2*>(tabm + c * BN + n0 + nt * 8 + 2 * tig);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -183,14 +192,15 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                         int d[4];
                         mma_s8_k32(d, a[0], a[1], a[2], a[3], b[nt][0], b[nt][1], MMQ_MAGIC_I);
                         float* o = acc[mt][nt];
-                        o[0] = fmaf(magic_to_float(d[0]), rs[nt].x * dl.x, o[0]);
-                        o[0] = fmaf(-rs[nt].y, dl.y, o[0]);
-                        o[1] = fmaf(magic_to_float(d[1]), rs[nt].z * dl.x, o[1]);
-                        o[1] = fmaf(-rs[nt].w, dl.y, o[1]);
-                        o[2] = fmaf(magic_to_float(d[2]), rs[nt].x * dh.x, o[2]);
-                        o[2] = fmaf(-rs[nt].y, dh.y, o[2]);
-                        o[3] = fmaf(magic_to_float(d[3]), rs[nt].z * dh.x, o[3]);
-                        o[3] = fmaf(-rs[nt].w, dh.y, o[3]);
+                        // rs = (dsc, -M dsc) of rows r, r+1; mm = -dmm of rows r, r+1
+                        o[0] = fmaf(fmaf(__int_as_float(d[0]), rs[nt].x, rs[nt].y), dl.x, o[0]);
+                        o[0] = fmaf(mm[nt].x, dl.y, o[0]);
+                        o[1] = fmaf(fmaf(__int_as_float(d[1]), rs[nt].z, rs[nt].w), dl.x, o[1]);
+                        o[1] = fmaf(mm[nt].y, dl.y, o[1]);
+                        o[2] = fmaf(fmaf(__int_as_float(d[2]), rs[nt].x, rs[nt].y), dh.x, o[2]);
+                        o[2] = fmaf(mm[nt].x, dh.y, o[2]);
+                        o[3] = fmaf(fmaf(__int_as_float(d[3]), rs[nt].z, rs[nt].w), dh.x, o[3]);
+                        o[3] = fmaf(mm[nt].y, dh.y, o[3]);
                     }
                 }
             }

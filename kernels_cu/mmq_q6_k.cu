@@ -9,8 +9,11 @@
 //   y[t,n] = sum_g d8[t,g] * ( (d sc[n,2g]) dot16_lo + (d sc[n,2g+1]) dot16_hi )
 //   dot16 = sum over 16 elements of (q6 - 32) * q8.
 // The scale changes every 16 elements, so a q8_1 block (k32) is two m16n8k16 MMAs, each
-// with its own integer dot (biased by MMQ_MAGIC: exact int->float with one FADD), then
-//   u = dot_lo * dsc_lo;  u = fma(dot_hi, dsc_hi, u);  acc = fma(u, d8, acc).
+// with its own integer dot, accumulated onto C = MMQ_MAGIC_I (D as a float = M + dot exactly,
+// M = 1.5*2^23), then per element (four ops):
+//   u = fma(D_lo, dsc_lo, -M dsc_lo) = round(dot_lo dsc_lo)    (dsc = d*sc: <= 19 significant
+//   v = fma(D_hi, dsc_hi, -M dsc_hi) = round(dot_hi dsc_hi)     bits, M dsc <= 21: exact)
+//   acc = fma(u + v, d8, acc)
 // (An m16n8k32 would sum both halves under one scale; pre-scaling B by sc overflows int8.)
 //
 // B staging (per stage k = 128, half h of super-block b): the weight tile is expanded to
@@ -21,7 +24,8 @@
 //     expand_q6_unit (closed form in registers) -> four 16-byte smem stores;
 //   raw arm (210-byte rows, 2-byte aligned): expand_q6_elem per element (byte loads).
 // Both arms write identical bytes, so their outputs are bit-identical.
-// sTab [4][BN] float2 (d*sc_lo, d*sc_hi) per row and q8_1 block of the stage, 2 buffers.
+// sTab [4][BN] float4 (dsc_lo, -M dsc_lo, dsc_hi, -M dsc_hi) per row and q8_1 block of the
+// stage, 2 buffers.
 // A (activations) as in mmq_q4_k.cu: cp.async, 3 buffers; one __syncthreads per stage.
 #include "common.cuh"
 
@@ -29,7 +33,7 @@ template <int MT, int NT, int WM, int WN>
 struct Q6KLayout {
     using S = MmqShape<MT, NT, WM, WN>;
     static constexpr int B_BYTES = S::BN * MMQ_KS;
-    static constexpr int TAB_BYTES = 4 * S::BN * 8;
+    static constexpr int TAB_BYTES = 4 * S::BN * 16;
     static constexpr int OFF_ADS = MMQ_NSTAGE * S::A_BYTES;
     static constexpr int OFF_B = OFF_ADS + MMQ_NSTAGE * S::ADS_BYTES;
     static constexpr int OFF_TAB = OFF_B + 2 * B_BYTES;
@@ -107,7 +111,9 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                         const int ch = 2 * qq + l0b;
                         if (n >= N) out[qq] = make_uint4(0, 0, 0, 0);
                         st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), out[qq]);
-                        tab[2 * (qq * BN + row) + l0b] = (n >= N) ? 0.0f : d * (float)sc;
+                        const float dsc = (n >= N) ? 0.0f : d * (float)sc;
+                        *reinterpret_cast<float2*>(tab + 4 * (qq * BN + row) + 2 * l0b) =
+                            make_float2(dsc, -MMQ_MAGIC_F * dsc);
                     }
                 } else {
                     // raw arm: per-element byte loads (expand_q6_elem), one 16-byte group at a time
@@ -128,7 +134,9 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                         }
                         const int ch = 2 * qq + l0b;
                         st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), make_uint4(w[0], w[1], w[2], w[3]));
-                        tab[2 * (qq * BN + row) + l0b] = d * (float)(int)(i8)blk[192 + 8 * h + 2 * qq + l0b];
+                        const float dsc = d * (float)(int)(i8)blk[192 + 8 * h + 2 * qq + l0b];
+                        *reinterpret_cast<float2*>(tab + 4 * (qq * BN + row) + 2 * l0b) =
+                            make_float2(dsc, -MMQ_MAGIC_F * dsc);
                     }
                 }
             }
@@ -174,7 +182,7 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
 #pragma unroll 1
         for (int c = 0; c < 4; ++c) {
             u32 b[NT][2];
-            float4 rs[NT];
+            float4 ra[NT], rb[NT];
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 const int row = n0 + (2 * np + (lane >> 4)) * 8 + lr;
@@ -184,7 +192,10 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
             }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
-                rs[nt] = *reinterpret_cast<const float4*>(tab + 2 * (c * BN + n0 + nt * 8 + 2 * tig));
+            {
+                ra[nt] = *reinterpret_cast<const float4*>(tab + 4 * (c * BN + n0 + nt * 8 + 2 * tig));
+                rb[nt] = *reinterpret_cast<const float4*>(tab + 4 * (c * BN + n0 + nt * 8 + 2 * tig + 1));
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 u32 a[4];
@@ -197,10 +208,13 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     mma_s8_k16(lo, a[0], a[1], b[nt][0], MMQ_MAGIC_I);
                     mma_s8_k16(hi, a[2], a[3], b[nt][1], MMQ_MAGIC_I);
                     float* o = acc[mt][nt];
-                    o[0] = fmaf(fmaf(magic_to_float(hi[0]), rs[nt].y, magic_to_float(lo[0]) * rs[nt].x), dl, o[0]);
-                    o[1] = fmaf(fmaf(magic_to_float(hi[1]), rs[nt].w, magic_to_float(lo[1]) * rs[nt].z), dl, o[1]);
-                    o[2] = fmaf(fmaf(magic_to_float(hi[2]), rs[nt].y, magic_to_float(lo[2]) * rs[nt].x), dh, o[2]);
-                    o[3] = fmaf(fmaf(magic_to_float(hi[3]), rs[nt].w, magic_to_float(lo[3]) * rs[nt].z), dh, o[3]);
+                    // ra / rb: (dsc_lo, -M dsc_lo, dsc_hi, -M dsc_hi) of rows r / r+1
+#define Q6_TERM(D_LO, D_HI, R) (fmaf(__int_as_float(D_LO), R.x, R.y) + fmaf(__int_as_float(D_HI), R.z, R.w))
+                    o[0] = fmaf(Q6_TERM(lo[0], hi[0], ra[nt]), dl, o[0]);
+                    o[1] = fmaf(Q6_TERM(lo[1], hi[1], rb[nt]), dl, o[1]);
+                    o[2] = fmaf(Q6_TERM(lo[2], hi[2], ra[nt]), dh, o[2]);
+                    o[3] = fmaf(Q6_TERM(lo[3], hi[3], rb[nt]), dh, o[3]);
+#undef Q6_TERM
                 }
             }
         }

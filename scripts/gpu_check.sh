@@ -48,6 +48,20 @@ step_bench() {
   return "${PIPESTATUS[0]}"
 }
 
+# Nsight Compute stall profile of the MMQ kernels (NCU_ARGS: T N K VARIANT for ncu_mmq.py).
+step_ncu() {
+  local ncu; ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+  [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
+  "$ncu" --clock-control none --kernel-name regex:mmq_q --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 scripts/ncu_mmq.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
+  local rc=$?
+  grep -E "mmq_q|stalled_.*[1-9]\.|Duration|Throughput|Warp Cycles Per Issued|Issued Ipc|No Eligible|Achieved Occupancy|Registers Per|Eligible Warps|Active Warps|Pipe|Bank" "$OUT/ncu.txt" | cut -c1-150 | head -120
+  return $rc
+}
+
 for s in env $STEPS; do
   section "$s"
   "step_$s" || { echo "!! step $s failed (rc $?)"; STATUS=1; }

@@ -1,0 +1,26 @@
+"""Launch sequence for Nsight Compute: one warm-up then one profiled launch of each MMQ kernel.
+
+    ncu --clock-control none --kernel-name regex:mmq_q --launch-skip 2 --launch-count 2 \\
+        --section SpeedOfLight --section WarpStateStats ... python3 scripts/ncu_mmq.py [T N K VARIANT]
+"""
+import sys
+
+import cupy as cp
+import numpy as np
+
+from engine import gpu_ops
+from engine.gemm_bench import random_blocks
+from engine.gpu_weights import upload_weight
+
+T, N, K = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (3314, 11008, 4096)
+variant = sys.argv[4] if len(sys.argv) > 4 else None
+rng = np.random.default_rng(0)
+w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=False), "Q4_K")
+w6 = upload_weight(random_blocks(rng, "q6_k", N, K, special=False), "Q6_K")
+act = gpu_ops.quantize_q8_1(cp.random.standard_normal((T, K), dtype=cp.float32))
+y = cp.empty((T, N), dtype=cp.float32)
+for _ in range(2):
+    gpu_ops.mmq(w4, act, out=y, variant=variant)
+    gpu_ops.mmq(w6, act, out=y, variant=variant)
+cp.cuda.runtime.deviceSynchronize()
+print("done", T, N, K, variant)
