@@ -58,7 +58,7 @@ step_ncu() {
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       python3 scripts/ncu_mmq.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
   local rc=$?
-  grep -E "mmq_q|stalled_.*[1-9]\.|Duration|Throughput|Warp Cycles Per Issued|Issued Ipc|No Eligible|Achieved Occupancy|Registers Per|Eligible Warps|Active Warps|Pipe|Bank" "$OUT/ncu.txt" | cut -c1-150 | head -120
+  grep -E "mmq_q|stalled|Duration|Throughput|Warp Cycles Per Issued|Issued Ipc|No Eligible|Achieved Occupancy|Registers Per|Eligible Warps|Active Warps|Pipe|Bank" "$OUT/ncu.txt" | cut -c1-150 | head -120
   return $rc
 }
 
