@@ -77,6 +77,9 @@ INSTANCES.update(_DECODE_INSTANCES)
 # Decode-step kernels (engine/gpu_decode.py): extern "C" names listed in a leaf module.
 from engine.decode_kernels import DECODE_INSTANCES  # noqa: E402
 INSTANCES.update(DECODE_INSTANCES)
+# Prefill kernels (engine/gpu_model.py): extern "C" names listed in a leaf module.
+from engine.prefill_kernels import PREFILL_INSTANCES  # noqa: E402
+INSTANCES.update(PREFILL_INSTANCES)
 
 
 # ----------------------------------------------------------------------------- source
