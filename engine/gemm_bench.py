@@ -11,7 +11,7 @@ L2 flushed by a 256 MB memset before every timed run) of
   - cupy.matmul(x16 [T, K], W16^T) with W16 the host-dequantized weights in f16 (cuBLAS),
 and the same-run ratio = cuBLAS ms / MMQ ms (the MMQ rate as a fraction of cuBLAS's).
 Each MMQ output is checked on 16 sampled weight rows against engine.quants' float64 oracle
-(bound |y - ref| <= (K/16 + 4) 2^-24 S, S the sum of term magnitudes; tests/test_gpu_mmq.py).
+(error_bound: |y - ref| <= (K/16 + 4) 2^-24 S, S the sum of term magnitudes).
 """
 from __future__ import annotations
 
@@ -52,7 +52,13 @@ def random_blocks(rng, kind: str, n_rows: int, K: int, special: bool = True) -> 
     return b.reshape(n_rows, nb * bb)
 
 
-def _abs_terms(kind, w, q, d, s):
+U32 = 2.0 ** -24   # float32 unit roundoff
+
+
+def abs_terms(kind: str, w, q, d, s, padded: bool = False):
+    """Magnitudes of the scaled terms the GEMM sums, float64 [T, N] each: (S, S_min).
+    q4_K: S = sum_g |d sc| |d8| sum_l q4 |q8| + |dmin m| |s8|, S_min = the second part;
+    q6_K: S = sum_j |d sc_j| |d8| sum_l |q6 - 32| |q8|, S_min = 0."""
     T, K = q.shape
     N = w.shape[0]
     aq = np.abs(q.astype(np.float32))
@@ -62,19 +68,35 @@ def _abs_terms(kind, w, q, d, s):
         G = K // 32
         A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, G)
         M = np.abs(dmin.astype(np.float64)[:, None] * m).reshape(N, G)
-        tot = np.abs(np.asarray(s, np.float64)).reshape(T, G) @ M.T
+        smin = np.abs(np.asarray(s, np.float64)).reshape(T, G) @ M.T
+        tot = smin.copy()
         wq = q4.reshape(N, G, 32).astype(np.float32)
         for g in range(G):
             tot += (ad[:, g:g + 1] * A[None, :, g]) * (aq[:, 32 * g:32 * g + 32] @ wq[:, g, :].T)
-        return tot
-    dw, sc, q6 = Q.q6_k_fields(w.reshape(-1, Q.Q6_K_BYTES))
+        return tot, smin
+    bb = Q.Q6_K_PADDED_BYTES if padded else Q.Q6_K_BYTES
+    dw, sc, q6 = Q.q6_k_fields(w.reshape(-1, bb), padded=padded)
     J = K // 16
     A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, J)
     wq = np.abs(q6.reshape(N, J, 16).astype(np.float32))
     tot = np.zeros((T, N))
     for j in range(J):
         tot += (ad[:, j // 2:j // 2 + 1] * A[None, :, j]) * (aq[:, 16 * j:16 * j + 16] @ wq[:, j, :].T)
-    return tot
+    return tot, np.zeros_like(tot)
+
+
+def error_bound(variant: str, K: int, S, S_min):
+    """The stated per-element bound on |y - ref| (float64 [T, N]).
+
+    Integer dots are exact; each scaled term gets at most three float32 roundings and the
+    K/32 (q4_K: 2K/32) terms are summed in float32: gamma_n with n <= K/16 + 3, so
+    (K/16 + 4) u S. The "tc" variants compute each stage's min term on TF32 tensor cores
+    with s8 split hi + lo (representation error <= 2^-22 |s8|, products exact) and f32
+    accumulation of 8 products (<= 8 x 2^-22 of their magnitude): + 40 u S_min."""
+    b = (K / 16 + 4) * U32 * S
+    if variant.endswith("tc"):
+        b = b + 40 * U32 * S_min
+    return b
 
 
 class Timer:
@@ -107,7 +129,6 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
     from engine import gpu_ops, kernels
     from engine.gpu_weights import upload_weight
 
-    variants = list(variants or kernels.MMQ_VARIANTS)
     shapes = shapes or SHAPES_7B
     rng = np.random.default_rng(seed)
     timer = Timer(cp, reps=reps)
@@ -140,8 +161,10 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             q_h = cp.asnumpy(act.q)
             ds_h = cp.asnumpy(act.ds)
             d_h, s_h = ds_h[..., 0], ds_h[..., 1]
-            ref = S = None
-            for v in variants:
+            ref = S = S_min = None
+            for v in (variants or kernels.mmq_variants(kind)):
+                if v not in kernels.mmq_variants(kind):
+                    continue
                 y = cp.empty((T, N), dtype=cp.float32)
                 tm = timer(lambda: gpu_ops.mmq(wd, act, out=y, variant=v))
                 y.fill(np.nan)
@@ -151,9 +174,9 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                     ws = w[sample]
                     ref = (Q.mmq_reference_q4_k(ws, q_h, d_h, s_h) if kind == "q4_k"
                            else Q.mmq_reference_q6_k(ws, q_h, d_h, s_h))
-                    S = _abs_terms(kind, ws, q_h, d_h, s_h)
+                    S, S_min = abs_terms(kind, ws, q_h, d_h, s_h)
                 err = np.abs(ys - ref)
-                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= (K / 16 + 4) * 2.0 ** -24 * S))
+                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(v, K, S, S_min)))
                 ops = 2.0 * T * N * K
                 row = {
                     "kind": kind, "N": N, "K": K, "T": T, "variant": v,
@@ -203,7 +226,9 @@ def main(argv=None) -> int:
           f"{props['multiProcessorCount']} SMs; cupy {cp.__version__}")
     from engine import kernels
     for kind in ("q4_k", "q6_k"):
-        for v in (variants or kernels.MMQ_VARIANTS):
+        for v in (variants or kernels.mmq_variants(kind)):
+            if v not in kernels.mmq_variants(kind):
+                continue
             k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, v),
                                    dynamic_smem=kernels.mmq_smem_bytes(kind, v))
             print(f"# {kind} {v:11s} {kernels.mmq_instance(kind, v):26s} regs {k.num_regs} "

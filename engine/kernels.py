@@ -29,25 +29,48 @@ CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-executi
 
 # MMQ tile variants: name -> (MT, NT, WM, WN, MINB): warp tile (16 MT) tokens x (8 NT) rows,
 # WM x WN warps, block tile BM = 16 MT WM tokens x BN = 8 NT WN rows, __launch_bounds__ minimum
-# blocks per SM = MINB.
+# blocks per SM = MINB. A "tc" suffix (q4_K only) computes the min term on the tensor cores
+# (TF32 m16n8k4 per stage) instead of one FFMA per output and block.
 MMQ_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
     "m64n128": (2, 4, 2, 4, 2),      # 8 warps of 32x32, 2 blocks/SM (<= 128 registers)
     "m128n128": (2, 4, 4, 4, 1),     # 16 warps of 32x32, 1 block/SM (<= 128 registers)
     "m128n128w8": (4, 4, 2, 4, 1),   # 8 warps of 64x32, 1 block/SM (<= 255 registers)
     "m64n64": (2, 2, 2, 4, 3),       # 8 warps of 32x16, 3 blocks/SM (<= 80 registers)
 }
+MMQ_TC_SUFFIX = "tc"
 MMQ_KS = 128          # k per pipeline stage (common.cuh)
 MMQ_NSTAGE = 3        # A / q4_K-B buffers
 
 
+def mmq_variants(kind: str) -> list[str]:
+    """Variant names valid for a kernel family."""
+    base = list(MMQ_VARIANTS)
+    if kind == "q4_k":
+        return base + [v + MMQ_TC_SUFFIX for v in base]
+    return base
+
+
+def _split_variant(variant: str) -> tuple[str, bool]:
+    if variant.endswith(MMQ_TC_SUFFIX) and variant[: -len(MMQ_TC_SUFFIX)] in MMQ_VARIANTS:
+        return variant[: -len(MMQ_TC_SUFFIX)], True
+    if variant not in MMQ_VARIANTS:
+        raise KeyError(f"unknown MMQ variant {variant!r}")
+    return variant, False
+
+
 def mmq_instance(kind: str, variant: str) -> str:
-    mt, nt, wm, wn, minb = MMQ_VARIANTS[variant]
+    base, tc = _split_variant(variant)
+    mt, nt, wm, wn, minb = MMQ_VARIANTS[base]
+    if kind == "q4_k":
+        return f"mmq_q4_k<{mt}, {nt}, {wm}, {wn}, {minb}, {int(tc)}>"
+    if tc:
+        raise KeyError(f"variant {variant!r} exists for q4_k only")
     return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}>"
 
 
 def mmq_tile(variant: str) -> tuple[int, int, int]:
     """(BM tokens, BN rows, threads) of a variant."""
-    mt, nt, wm, wn, _ = MMQ_VARIANTS[variant]
+    mt, nt, wm, wn, _ = MMQ_VARIANTS[_split_variant(variant)[0]]
     return wm * mt * 16, wn * nt * 8, wm * wn * 32
 
 
@@ -56,8 +79,8 @@ def mmq_smem_bytes(kind: str, variant: str) -> int:
     traps if it is given less)."""
     bm, bn, _ = mmq_tile(variant)
     a = MMQ_NSTAGE * (bm * MMQ_KS + bm * 32)
-    if kind == "q4_k":     # qs planes + 2 x {float2 (dsc, -M dsc), float -dmm} [4][BN]
-        return a + MMQ_NSTAGE * bn * 64 + 2 * 4 * bn * 12
+    if kind == "q4_k":     # qs planes + 2 x {float2 (dsc, -M dsc), float [4][BN], float [BN]}
+        return a + MMQ_NSTAGE * bn * 64 + 2 * (4 * bn * 12 + bn * 4)
     if kind == "q6_k":     # expanded B planes + 2 x float4 [4][BN]
         return a + 2 * bn * MMQ_KS + 2 * 4 * bn * 16
     raise ValueError(f"unknown MMQ kind {kind!r}")
@@ -66,8 +89,8 @@ def mmq_smem_bytes(kind: str, variant: str) -> int:
 INSTANCES: dict[str, tuple[str, ...]] = {
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "q6k_expand_check.cu": ("q6k_expand_check",),
-    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v) for v in MMQ_VARIANTS),
-    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v) for v in MMQ_VARIANTS),
+    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v) for v in mmq_variants("q4_k")),
+    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v) for v in mmq_variants("q6_k")),
 }
 try:  # decode-step kernels (engine/decode_kernels.py is a leaf module listing their names)
     from engine.decode_kernels import DECODE_INSTANCES as _DECODE_INSTANCES

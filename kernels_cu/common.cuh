@@ -91,6 +91,20 @@ __device__ __forceinline__ void mma_s8_k16(int (&d)[4], u32 a0, u32 a1, u32 b0, 
                  : "r"(a0), "r"(a1), "r"(b0), "r"(c), "r"(c), "r"(c), "r"(c));
 }
 
+// D += A(16x4 tf32, row) * B(4x8 tf32, col): a0 row g col t, a1 row g+8 col t; b0 row t col g.
+__device__ __forceinline__ void mma_tf32_k4(float (&d)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k4.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+__device__ __forceinline__ u32 f32_to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
 // ---------------------------------------------------------------- q6_K expansion
 
 // Per-element expansion (the raw 210-byte arm and the reference for the closed form):

@@ -31,14 +31,15 @@ template <int MT, int NT, int WM, int WN>
 struct Q4KLayout {
     using S = MmqShape<MT, NT, WM, WN>;
     static constexpr int B_BYTES = S::BN * 64;
-    static constexpr int TAB_BYTES = 4 * S::BN * 12;    // float2 [4][BN] + float [4][BN]
+    // float2 [4][BN] (dsc, -M dsc) + float [4][BN] (-dmin m, or m for TCMIN) + float [BN] -dmin
+    static constexpr int TAB_BYTES = 4 * S::BN * 12 + S::BN * 4;
     static constexpr int OFF_ADS = MMQ_NSTAGE * S::A_BYTES;
     static constexpr int OFF_B = OFF_ADS + MMQ_NSTAGE * S::ADS_BYTES;
     static constexpr int OFF_TAB = OFF_B + MMQ_NSTAGE * B_BYTES;
     static constexpr int SMEM = OFF_TAB + 2 * TAB_BYTES;
 };
 
-template <int MT, int NT, int WM, int WN, int MINB>
+template <int MT, int NT, int WM, int WN, int MINB, int TCMIN>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K) {
@@ -109,6 +110,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                 const uint4 q = hdr[i];
                 const float d = f16_to_f32((u16)(q.x & 0xFFFF));
                 const float dmin = f16_to_f32((u16)(q.x >> 16));
+                if (TCMIN && pair == 0) tabm[4 * BN + row] = -dmin;
 #pragma unroll
                 for (int cc = 0; cc < 2; ++cc) {
                     const int c = pair * 2 + cc;          // sub-block within the stage
@@ -119,7 +121,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     else        { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
                     const float dsc = d * (float)sc;
                     tab[c * BN + row] = make_float2(dsc, -MMQ_MAGIC_F * dsc);
-                    tabm[c * BN + row] = -(dmin * (float)m);
+                    tabm[c * BN + row] = TCMIN ? (float)m : -(dmin * (float)m);
                 }
             }
         }
@@ -157,6 +159,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         const u32 sB = sbase + L::OFF_B + bs * L::B_BYTES;
         const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + (s & 1) * L::TAB_BYTES);
         const float* tabm = tab + 4 * BN * 2;
+        const float* tabd = tabm + 4 * BN;
 
 #pragma unroll 1
         for (int jp = 0; jp < 2; ++jp) {
@@ -179,7 +182,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     b[nt][0] = (braw[nt][0] >> (4 * hh)) & 0x0F0F0F0Fu;
                     b[nt][1] = (braw[nt][1] >> (4 * hh)) & 0x0F0F0F0Fu;
                     rs[nt] = *reinterpret_cast<const float4*>(tab + 2 * (c * BN + n0 + nt * 8 + 2 * tig));
-                    mm[nt] = *reinterpret_cast<const float2*>(tabm + c * BN + n0 + nt * 8 + 2 * tig);
+                    if (!TCMIN) mm[nt] = *reinterpret_cast<const float2*>(tabm + c * BN + n0 + nt * 8 + 2 * tig);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -194,14 +197,45 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                         float* o = acc[mt][nt];
                         // rs = (dsc, -M dsc) of rows r, r+1; mm = -dmm of rows r, r+1
                         o[0] = fmaf(fmaf(__int_as_float(d[0]), rs[nt].x, rs[nt].y), dl.x, o[0]);
-                        o[0] = fmaf(mm[nt].x, dl.y, o[0]);
+                        if (!TCMIN) o[0] = fmaf(mm[nt].x, dl.y, o[0]);
                         o[1] = fmaf(fmaf(__int_as_float(d[1]), rs[nt].z, rs[nt].w), dl.x, o[1]);
-                        o[1] = fmaf(mm[nt].y, dl.y, o[1]);
+                        if (!TCMIN) o[1] = fmaf(mm[nt].y, dl.y, o[1]);
                         o[2] = fmaf(fmaf(__int_as_float(d[2]), rs[nt].x, rs[nt].y), dh.x, o[2]);
-                        o[2] = fmaf(mm[nt].x, dh.y, o[2]);
+                        if (!TCMIN) o[2] = fmaf(mm[nt].x, dh.y, o[2]);
                         o[3] = fmaf(fmaf(__int_as_float(d[3]), rs[nt].z, rs[nt].w), dh.x, o[3]);
-                        o[3] = fmaf(mm[nt].y, dh.y, o[3]);
+                        if (!TCMIN) o[3] = fmaf(mm[nt].y, dh.y, o[3]);
                     }
+                }
+            }
+        }
+
+        if (TCMIN) {
+            // min term of the stage on the tensor cores: Z[t, n] = sum_c s8[t, c] m[n, c]
+            // (m16n8k4 TF32, s8 split hi + lo so the product keeps ~22 bits; m is exact),
+            // then acc -= dmin * Z: one FFMA per output per stage instead of one per block.
+            u32 shi[MT][2], slo[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float sv = sAds[(m0 + mt * 16 + g + 8 * h) * 4 + tig].y;
+                    shi[mt][h] = f32_to_tf32(sv);
+                    slo[mt][h] = f32_to_tf32(sv - __uint_as_float(shi[mt][h]));
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const u32 bm = __float_as_uint(tabm[tig * BN + n0 + nt * 8 + g]);
+                const float2 nd = *reinterpret_cast<const float2*>(tabd + n0 + nt * 8 + 2 * tig);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32_k4(z, shi[mt][0], shi[mt][1], bm);
+                    mma_tf32_k4(z, slo[mt][0], slo[mt][1], bm);
+                    float* o = acc[mt][nt];
+                    o[0] = fmaf(nd.x, z[0], o[0]);
+                    o[1] = fmaf(nd.y, z[1], o[1]);
+                    o[2] = fmaf(nd.x, z[2], o[2]);
+                    o[3] = fmaf(nd.y, z[3], o[3]);
                 }
             }
         }
