@@ -31,6 +31,10 @@
 #define AT_BK 64
 #define AT_NTH 128
 #define AT_NEG_INF __int_as_float(0xff800000)
+#define AT_SMEM_MAX (5 * 64 * 256)
+
+#ifndef GGP_EMU
+typedef u32 saddr;                          // shared-memory address (cvta.to.shared)
 
 __device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -57,6 +61,63 @@ __device__ __forceinline__ float at_div(float a, float b) {
     asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
+#else
+// ---- CPU emulation (tests/cuda_emu: one fiber per thread, __syncwarp a warp barrier) of the
+// PTX used above, from the PTX ISA fragment definitions; shared addresses are host pointers.
+typedef unsigned long long saddr;
+static u8 at_emu_smem[AT_SMEM_MAX] __attribute__((aligned(16)));
+static unsigned long long at_emu_addr[32][32];
+static u32 at_emu_frag[32][32][6];
+inline saddr smem_u32(const void* p) { return (saddr)p; }
+inline u32 dyn_smem_bytes() { return AT_SMEM_MAX; }
+inline void __trap() { std::abort(); }
+inline void cp_async16(saddr dst, const void* src, int n) {
+    if (n == 16) std::memcpy((void*)dst, src, 16); else std::memset((void*)dst, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+inline float at_h2f(u32 w, int hi) { return f16_to_f32((u16)(hi ? w >> 16 : w & 0xFFFF)); }
+inline void at_ldsm(u32& r0, u32& r1, u32& r2, u32& r3, saddr addr, bool trans) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    at_emu_addr[w][lane] = addr;
+    __syncwarp();
+    u32* r[4] = {&r0, &r1, &r2, &r3};
+    for (int i = 0; i < 4; ++i) {
+        if (!trans) {
+            *r[i] = *(const u32*)(at_emu_addr[w][8 * i + lane / 4] + 4 * (lane % 4));
+        } else {
+            const u16 lo = *(const u16*)(at_emu_addr[w][8 * i + 2 * (lane % 4)] + 2 * (lane / 4));
+            const u16 hi = *(const u16*)(at_emu_addr[w][8 * i + 2 * (lane % 4) + 1] + 2 * (lane / 4));
+            *r[i] = (u32)lo | ((u32)hi << 16);
+        }
+    }
+    __syncwarp();
+}
+inline void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, saddr a) { at_ldsm(r0, r1, r2, r3, a, false); }
+inline void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, saddr a) { at_ldsm(r0, r1, r2, r3, a, true); }
+inline void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    u32* f = at_emu_frag[w][lane];
+    f[0] = a[0]; f[1] = a[1]; f[2] = a[2]; f[3] = a[3]; f[4] = b0; f[5] = b1;
+    __syncwarp();
+    // A[r][k]: row r = g' (+8 via a1/a3), k = 2t'+{0,1} (+8 via a2/a3) held by lane 4g'+t'
+    // B[k][c]: col c = g', k = 2t'+{0,1} (b0) or 2t'+8+{0,1} (b1) held by lane 4g'+t'
+    for (int e = 0; e < 4; ++e) {
+        const int r = g + 8 * (e >> 1), c = 2 * t + (e & 1);
+        float acc = d[e];
+        for (int k = 0; k < 16; ++k) {
+            const int tk = (k & 7) >> 1, hk = k & 1, kh = k >> 3;
+            const u32 aw = at_emu_frag[w][4 * (r & 7) + tk][(r >> 3) + 2 * kh];
+            const u32 bw = at_emu_frag[w][4 * c + tk][4 + kh];
+            acc += at_h2f(aw, hk) * at_h2f(bw, hk);
+        }
+        d[e] = acc;
+    }
+    __syncwarp();
+}
+inline u32 pack_f16x2(float lo, float hi) { return (u32)emu_f32_to_f16(lo) | ((u32)emu_f32_to_f16(hi) << 16); }
+inline float at_div(float a, float b) { return a / b; }
+#endif
 
 template <int HD, bool Q8>
 __device__ __forceinline__ void attn_prefill_body(
@@ -71,10 +132,14 @@ __device__ __forceinline__ void attn_prefill_body(
     static_assert(AT_BQ == AT_BK, "one tile size");
     static_assert(HD % 32 == 0 && HD <= 256, "head size");
 
+#ifndef GGP_EMU
     extern __shared__ __align__(16) u8 smem[];
+#else
+    u8* smem = at_emu_smem;
+#endif
     if (dyn_smem_bytes() < (u32)(5 * TILE)) __trap();
-    const u32 sQ = smem_u32(smem);
-    const u32 sK0 = sQ + TILE, sV0 = sQ + 3 * TILE;
+    const saddr sQ = smem_u32(smem);
+    const saddr sK0 = sQ + TILE, sV0 = sQ + 3 * TILE;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
@@ -101,7 +166,7 @@ __device__ __forceinline__ void attn_prefill_body(
             const int key = kt * AT_BK + row;
             const bool ok = key < L;
             const size_t off = (size_t)(ok ? key : 0) * HD + ch * 8;
-            const u32 dst = buf * TILE + row * ROWB + ((ch ^ (row & 7)) << 4);
+            const saddr dst = buf * TILE + row * ROWB + ((ch ^ (row & 7)) << 4);
             cp_async16(sK0 + dst, Kh + off, ok ? 16 : 0);
             cp_async16(sV0 + dst, Vh + off, ok ? 16 : 0);
         }
@@ -133,7 +198,7 @@ __device__ __forceinline__ void attn_prefill_body(
         cp_async_commit();
         const int k0 = kt * AT_BK;
         if (k0 > wfirst + 15) continue;               // every key after every query of the warp
-        const u32 sK = sK0 + (kt & 1) * TILE, sV = sV0 + (kt & 1) * TILE;
+        const saddr sK = sK0 + (kt & 1) * TILE, sV = sV0 + (kt & 1) * TILE;
 
         float s[8][4];
 #pragma unroll

@@ -15,6 +15,7 @@
 #define RN_THREADS 256
 #define RN_MAXJ 32           // K <= 32 * 256
 
+#ifndef GGP_EMU
 __device__ __forceinline__ float rn_add(float a, float b) {
     float r;
     asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -25,6 +26,10 @@ __device__ __forceinline__ float rn_div(float a, float b) {
     asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
+#else   // CPU emulation (tests/cuda_emu)
+inline float rn_add(float a, float b) { return a + b; }
+inline float rn_div(float a, float b) { return a / b; }
+#endif
 
 // One q8_1 block held one value per lane: write q[lane] and (lane 0) ds.
 __device__ __forceinline__ void rn_q8_block(float v, int lane, i8* __restrict__ q, float2* __restrict__ ds) {

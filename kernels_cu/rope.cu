@@ -17,11 +17,15 @@
 // Grid: (ceil(P / 256), n), P = (H + 2 KVH) * HD/2 pairs per token: q pairs, k pairs, v pairs.
 #include "common.cuh"
 
+#ifndef GGP_EMU
 __device__ __forceinline__ u16 f32_to_f16(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#else   // CPU emulation (tests/cuda_emu)
+inline u16 f32_to_f16(float f) { return emu_f32_to_f16(f); }
+#endif
 
 extern "C" __global__ void __launch_bounds__(256)
 qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float* __restrict__ vp,

@@ -7,6 +7,7 @@
 // One warp per 32-element block (nblk = T*F/32), lane i holds element i; block 256 threads.
 #include "common.cuh"
 
+#ifndef GGP_EMU
 __device__ __forceinline__ float sw_add(float a, float b) {
     float r;
     asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -17,6 +18,10 @@ __device__ __forceinline__ float sw_div(float a, float b) {
     asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
+#else   // CPU emulation (tests/cuda_emu)
+inline float sw_add(float a, float b) { return a + b; }
+inline float sw_div(float a, float b) { return a / b; }
+#endif
 
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F,

@@ -62,6 +62,11 @@ step_ncu() {
   return $rc
 }
 
+# GPU prefill (issue 4): kernels, whole-model logits vs the reference, bench (carry .gpu_data).
+step_prefill() {
+  bash scripts/prefill_check.sh
+}
+
 for s in env $STEPS; do
   section "$s"
   "step_$s" || { echo "!! step $s failed (rc $?)"; STATUS=1; }
