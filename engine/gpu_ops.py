@@ -17,7 +17,7 @@ from engine import kernels
 from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
 # Tile variant per kernel family (engine.kernels.MMQ_VARIANTS); measured in docs/perf-log.md.
-DEFAULT_VARIANT = {"q4_k": "m64n128", "q6_k": "m64n128"}
+DEFAULT_VARIANT = {"q4_k": "m64n128tc", "q6_k": "m128n128w8"}
 
 
 class Q8Act(NamedTuple):

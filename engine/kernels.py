@@ -35,19 +35,19 @@ MMQ_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
     "m64n128": (2, 4, 2, 4, 2),      # 8 warps of 32x32, 2 blocks/SM (<= 128 registers)
     "m128n128": (2, 4, 4, 4, 1),     # 16 warps of 32x32, 1 block/SM (<= 128 registers)
     "m128n128w8": (4, 4, 2, 4, 1),   # 8 warps of 64x32, 1 block/SM (<= 255 registers)
-    "m64n64": (2, 2, 2, 4, 3),       # 8 warps of 32x16, 3 blocks/SM (<= 80 registers)
 }
 MMQ_TC_SUFFIX = "tc"
 MMQ_KS = 128          # k per pipeline stage (common.cuh)
 MMQ_NSTAGE = 3        # A / q4_K-B buffers
+_KIND_VARIANTS = {
+    "q4_k": ("m64n128", "m64n128tc", "m128n128tc", "m128n128w8tc"),
+    "q6_k": ("m64n128", "m128n128", "m128n128w8"),
+}
 
 
 def mmq_variants(kind: str) -> list[str]:
-    """Variant names valid for a kernel family."""
-    base = list(MMQ_VARIANTS)
-    if kind == "q4_k":
-        return base + [v + MMQ_TC_SUFFIX for v in base]
-    return base
+    """Variant names compiled (and tested, benchmarked) for a kernel family."""
+    return list(_KIND_VARIANTS[kind])
 
 
 def _split_variant(variant: str) -> tuple[str, bool]:
@@ -81,8 +81,8 @@ def mmq_smem_bytes(kind: str, variant: str) -> int:
     a = MMQ_NSTAGE * (bm * MMQ_KS + bm * 32)
     if kind == "q4_k":     # qs planes + 2 x {float2 (dsc, -M dsc), float [4][BN], float [BN]}
         return a + MMQ_NSTAGE * bn * 64 + 2 * (4 * bn * 12 + bn * 4)
-    if kind == "q6_k":     # expanded B planes + 2 x float4 [4][BN]
-        return a + 2 * bn * MMQ_KS + 2 * 4 * bn * 16
+    if kind == "q6_k":     # expanded B planes + 2 x float2 [4][BN]
+        return a + 2 * bn * MMQ_KS + 2 * 4 * bn * 8
     raise ValueError(f"unknown MMQ kind {kind!r}")
 
 
@@ -97,9 +97,6 @@ try:  # decode-step kernels (engine/decode_kernels.py is a leaf module listing t
 except ImportError:  # pragma: no cover - absent in trees without the decode kernels
     _DECODE_INSTANCES = {}
 INSTANCES.update(_DECODE_INSTANCES)
-# Decode-step kernels (engine/gpu_decode.py): extern "C" names listed in a leaf module.
-from engine.decode_kernels import DECODE_INSTANCES  # noqa: E402
-INSTANCES.update(DECODE_INSTANCES)
 # Prefill kernels (engine/gpu_model.py): extern "C" names listed in a leaf module.
 from engine.prefill_kernels import PREFILL_INSTANCES  # noqa: E402
 INSTANCES.update(PREFILL_INSTANCES)

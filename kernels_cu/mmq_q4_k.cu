@@ -20,9 +20,9 @@
 //                 16-byte chunk ch of row r at ch ^ ((r >> 1) & 3) (conflict-free ldmatrix);
 //                 one ldmatrix.x4 word serves two sub-blocks: low nibbles (& 0x0F0F0F0F) for
 //                 sub-block 2c, high nibbles (>> 4) for 2c+1;
-//   sTab[4][BN]   float2 (d*sc, -M*d*sc) per row and sub-block, then sTabM[4][BN] float
-//                 -dmin*m; 2 buffers, written from the 16-byte block header prefetched into
-//                 registers one stage ahead.
+//   sTab[4][BN]   float d*sc per row and sub-block (-M d sc is formed in registers), then
+//                 sTabM[4][BN] float -dmin*m (TCMIN: m) and [BN] -dmin; 2 buffers, written from
+//                 the 16-byte block header prefetched into registers one stage ahead.
 // One __syncthreads per stage; stage s+2 copies in flight while stage s is computed.
 // Ragged T / N: zero-filled tiles (cp.async src-size 0) and guarded stores.
 #include "common.cuh"
@@ -99,8 +99,8 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         }
     };
     auto write_tab = [&](int s, int bt) {
-        float2* tab = reinterpret_cast<float2*>(smem + L::OFF_TAB + bt * L::TAB_BYTES);
-        float* tabm = reinterpret_cast<float*>(smem + L::OFF_TAB + bt * L::TAB_BYTES + 4 * BN * 8);
+        float* tab = reinterpret_cast<float*>(smem + L::OFF_TAB + bt * L::TAB_BYTES);
+        float* tabm = tab + 4 * BN;
         const int h = s & 1;
 #pragma unroll
         for (int i = 0; i < UPT; ++i) {
@@ -120,7 +120,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     if (h == 0) { sc = b0 & 63; m = b1 & 63; }
                     else        { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
                     const float dsc = d * (float)sc;
-                    tab[c * BN + row] = make_float2(dsc, -MMQ_MAGIC_F * dsc);
+                    tab[c * BN + row] = dsc;
                     tabm[c * BN + row] = TCMIN ? (float)m : -(dmin * (float)m);
                 }
             }
@@ -158,7 +158,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         const float2* sAds = reinterpret_cast<const float2*>(smem + L::OFF_ADS + bs * S::ADS_BYTES);
         const u32 sB = sbase + L::OFF_B + bs * L::B_BYTES;
         const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + (s & 1) * L::TAB_BYTES);
-        const float* tabm = tab + 4 * BN * 2;
+        const float* tabm = tab + 4 * BN;
         const float* tabd = tabm + 4 * BN;
 
 #pragma unroll 1
@@ -181,15 +181,27 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                 for (int nt = 0; nt < NT; ++nt) {
                     b[nt][0] = (braw[nt][0] >> (4 * hh)) & 0x0F0F0F0Fu;
                     b[nt][1] = (braw[nt][1] >> (4 * hh)) & 0x0F0F0F0Fu;
-                    rs[nt] = *reinterpret_cast<const float4*>(tab + 2 * (c * BN + n0 + nt * 8 + 2 * tig));
+                {
+                    // (dsc, -M dsc) of rows r, r+1: -M dsc is exact, computed here rather than
+                    // loaded (shared-memory bandwidth, not ALU, is the tighter limit)
+                    const float2 ds2 = *reinterpret_cast<const float2*>(tab + c * BN + n0 + nt * 8 + 2 * tig);
+                    rs[nt] = make_float4(ds2.x, -MMQ_MAGIC_F * ds2.x, ds2.y, -MMQ_MAGIC_F * ds2.y);
+                }
                     if (!TCMIN) mm[nt] = *reinterpret_cast<const float2*>(tabm + c * BN + n0 + nt * 8 + 2 * tig);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     u32 a[4];
                     mmq_load_a(a, sA, m0 + mt * 16, c, lane);
-                    const float2 dl = sAds[(m0 + mt * 16 + g) * 4 + c];
-                    const float2 dh = sAds[(m0 + mt * 16 + g + 8) * 4 + c];
+                    float2 dl, dh;
+                    if (TCMIN) {   // d8 only (the min term is done per stage)
+                        dl.x = reinterpret_cast<const float*>(sAds)[2 * ((m0 + mt * 16 + g) * 4 + c)];
+                        dh.x = reinterpret_cast<const float*>(sAds)[2 * ((m0 + mt * 16 + g + 8) * 4 + c)];
+                        dl.y = dh.y = 0.0f;
+                    } else {
+                        dl = sAds[(m0 + mt * 16 + g) * 4 + c];
+                        dh = sAds[(m0 + mt * 16 + g + 8) * 4 + c];
+                    }
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         int d[4];

@@ -24,8 +24,8 @@
 //     expand_q6_unit (closed form in registers) -> four 16-byte smem stores;
 //   raw arm (210-byte rows, 2-byte aligned): expand_q6_elem per element (byte loads).
 // Both arms write identical bytes, so their outputs are bit-identical.
-// sTab [4][BN] float4 (dsc_lo, -M dsc_lo, dsc_hi, -M dsc_hi) per row and q8_1 block of the
-// stage, 2 buffers.
+// sTab [4][BN] float2 (dsc_lo, dsc_hi) per row and q8_1 block of the stage, 2 buffers
+// (-M dsc is formed in registers: shared-memory bandwidth is the tighter limit).
 // A (activations) as in mmq_q4_k.cu: cp.async, 3 buffers; one __syncthreads per stage.
 #include "common.cuh"
 
@@ -33,7 +33,7 @@ template <int MT, int NT, int WM, int WN>
 struct Q6KLayout {
     using S = MmqShape<MT, NT, WM, WN>;
     static constexpr int B_BYTES = S::BN * MMQ_KS;
-    static constexpr int TAB_BYTES = 4 * S::BN * 16;
+    static constexpr int TAB_BYTES = 4 * S::BN * 8;
     static constexpr int OFF_ADS = MMQ_NSTAGE * S::A_BYTES;
     static constexpr int OFF_B = OFF_ADS + MMQ_NSTAGE * S::ADS_BYTES;
     static constexpr int OFF_TAB = OFF_B + 2 * B_BYTES;
@@ -112,8 +112,7 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                         if (n >= N) out[qq] = make_uint4(0, 0, 0, 0);
                         st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), out[qq]);
                         const float dsc = (n >= N) ? 0.0f : d * (float)sc;
-                        *reinterpret_cast<float2*>(tab + 4 * (qq * BN + row) + 2 * l0b) =
-                            make_float2(dsc, -MMQ_MAGIC_F * dsc);
+                        tab[2 * (qq * BN + row) + l0b] = dsc;
                     }
                 } else {
                     // raw arm: per-element byte loads (expand_q6_elem), one 16-byte group at a time
@@ -135,8 +134,7 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                         const int ch = 2 * qq + l0b;
                         st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), make_uint4(w[0], w[1], w[2], w[3]));
                         const float dsc = d * (float)(int)(i8)blk[192 + 8 * h + 2 * qq + l0b];
-                        *reinterpret_cast<float2*>(tab + 4 * (qq * BN + row) + 2 * l0b) =
-                            make_float2(dsc, -MMQ_MAGIC_F * dsc);
+                        tab[2 * (qq * BN + row) + l0b] = dsc;
                     }
                 }
             }
@@ -181,40 +179,46 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
 
 #pragma unroll 1
         for (int c = 0; c < 4; ++c) {
-            u32 b[NT][2];
-            float4 ra[NT], rb[NT];
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                const int row = n0 + (2 * np + (lane >> 4)) * 8 + lr;
-                const int ch = 2 * c + ((lane >> 3) & 1);
-                ldmatrix_x4(b[2 * np][0], b[2 * np][1], b[2 * np + 1][0], b[2 * np + 1][1],
-                            sB + row * MMQ_KS + ((ch ^ lr) << 4));
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-            {
-                ra[nt] = *reinterpret_cast<const float4*>(tab + 4 * (c * BN + n0 + nt * 8 + 2 * tig));
-                rb[nt] = *reinterpret_cast<const float4*>(tab + 4 * (c * BN + n0 + nt * 8 + 2 * tig + 1));
-            }
+            // A fragments and d8 of every m-tile first, then one n-tile pair at a time (keeps
+            // the live B fragments and scales to one pair: no spills at 128 registers)
+            u32 a[MT][4];
+            float dl[MT], dh[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                u32 a[4];
-                mmq_load_a(a, sA, m0 + mt * 16, c, lane);
-                const float dl = sAds[(m0 + mt * 16 + g) * 4 + c].x;
-                const float dh = sAds[(m0 + mt * 16 + g + 8) * 4 + c].x;
+                mmq_load_a(a[mt], sA, m0 + mt * 16, c, lane);
+                dl[mt] = reinterpret_cast<const float*>(sAds)[2 * ((m0 + mt * 16 + g) * 4 + c)];
+                dh[mt] = reinterpret_cast<const float*>(sAds)[2 * ((m0 + mt * 16 + g + 8) * 4 + c)];
+            }
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    int lo[4], hi[4];
-                    mma_s8_k16(lo, a[0], a[1], b[nt][0], MMQ_MAGIC_I);
-                    mma_s8_k16(hi, a[2], a[3], b[nt][1], MMQ_MAGIC_I);
-                    float* o = acc[mt][nt];
-                    // ra / rb: (dsc_lo, -M dsc_lo, dsc_hi, -M dsc_hi) of rows r / r+1
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b[2][2];
+                {
+                    const int row = n0 + (2 * np + (lane >> 4)) * 8 + lr;
+                    const int ch = 2 * c + ((lane >> 3) & 1);
+                    ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], sB + row * MMQ_KS + ((ch ^ lr) << 4));
+                }
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int nt = 2 * np + j;
+                    // (dsc_lo, dsc_hi) of rows r, r+1; -M dsc is exact and formed here (4 FMUL)
+                    // instead of loaded: shared-memory bandwidth is the tighter limit
+                    const float4 t4 = *reinterpret_cast<const float4*>(tab + 2 * (c * BN + n0 + nt * 8 + 2 * tig));
+                    const float4 ra = make_float4(t4.x, -MMQ_MAGIC_F * t4.x, t4.y, -MMQ_MAGIC_F * t4.y);
+                    const float4 rb = make_float4(t4.z, -MMQ_MAGIC_F * t4.z, t4.w, -MMQ_MAGIC_F * t4.w);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        int lo[4], hi[4];
+                        mma_s8_k16(lo, a[mt][0], a[mt][1], b[j][0], MMQ_MAGIC_I);
+                        mma_s8_k16(hi, a[mt][2], a[mt][3], b[j][1], MMQ_MAGIC_I);
+                        float* o = acc[mt][nt];
+                        // ra / rb: (dsc_lo, -M dsc_lo, dsc_hi, -M dsc_hi) of rows r / r+1
 #define Q6_TERM(D_LO, D_HI, R) (fmaf(__int_as_float(D_LO), R.x, R.y) + fmaf(__int_as_float(D_HI), R.z, R.w))
-                    o[0] = fmaf(Q6_TERM(lo[0], hi[0], ra[nt]), dl, o[0]);
-                    o[1] = fmaf(Q6_TERM(lo[1], hi[1], rb[nt]), dl, o[1]);
-                    o[2] = fmaf(Q6_TERM(lo[2], hi[2], ra[nt]), dh, o[2]);
-                    o[3] = fmaf(Q6_TERM(lo[3], hi[3], rb[nt]), dh, o[3]);
+                        o[0] = fmaf(Q6_TERM(lo[0], hi[0], ra), dl[mt], o[0]);
+                        o[1] = fmaf(Q6_TERM(lo[1], hi[1], rb), dl[mt], o[1]);
+                        o[2] = fmaf(Q6_TERM(lo[2], hi[2], ra), dh[mt], o[2]);
+                        o[3] = fmaf(Q6_TERM(lo[3], hi[3], rb), dh[mt], o[3]);
 #undef Q6_TERM
+                    }
                 }
             }
         }

@@ -55,6 +55,7 @@ step_ncu() {
   "$ncu" --clock-control none --kernel-name regex:mmq_q --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
+      --section SourceCounters --section InstructionStats \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       python3 scripts/ncu_mmq.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
   local rc=$?
