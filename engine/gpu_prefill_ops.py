@@ -149,8 +149,10 @@ def swiglu_q8_1(g, u, ld: int, F: int, act) -> None:
         raise ValueError(f"swiglu_q8_1: F={F} is not a multiple of 32")
     _contig(act.q, np.int8, (T, F), "swiglu act.q")
     _contig(act.ds, np.float32, (T, F // 32, 2), "swiglu act.ds")
-    nblk = T * F // 32
-    if nblk == 0:
+    if ld % 4:
+        raise ValueError(f"swiglu_q8_1: row stride {ld} is not a multiple of 4 (float4 loads)")
+    n4 = T * F // 4
+    if n4 == 0:
         return
     k = kernels.get_kernel("swiglu.cu", "swiglu_q8_1")
-    k(((nblk * 32 + 255) // 256,), (256,), (g, u, np.int64(ld), np.int32(F), act.q, act.ds, np.int64(nblk)))
+    k(((n4 + 255) // 256,), (256,), (g, u, np.int64(ld), np.int32(F), act.q, act.ds, np.int64(n4)))

@@ -12,8 +12,8 @@
 //      Q8 = false: O float32 [n, H*HD];
 //      Q8 = true:  the q8_1 blocks of each 32-column block of o (the attn_output GEMM's A
 //                  operand): Oq int8 [n, H*HD], Ods float2 [n, H*HD/32] = (d, s),
-//                  d = amax/127, q = roundf(o/d), s = sum o (sum order differs from
-//                  quantize_q8_1.cu: a quad shuffle tree).
+//                  d = amax/127, q = roundf(o/d), s = d * sum(q) (the dequantized sum;
+//                  see rmsnorm.cu for why not sum(o)).
 // Tiling: block = 4 warps = 64 queries (16 per warp) of one head; keys in tiles of 64,
 //   K/V tiles double-buffered by cp.async (keys >= start+n zero-filled, so p = 0 never meets
 //   garbage in V); smem rows of HD f16 with 16-byte chunk c of row r at c ^ (r & 7)
@@ -288,30 +288,33 @@ __device__ __forceinline__ void attn_prefill_body(
 #pragma unroll
             for (int c = 0; c < HD / 32; ++c) {
                 float v[8];
-                float amax = 0.0f, sum = 0.0f;
+                float amax = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     v[2 * i] = o[4 * c + i][2 * r] * inv;
                     v[2 * i + 1] = o[4 * c + i][2 * r + 1] * inv;
                     amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
-                    sum += v[2 * i] + v[2 * i + 1];
                 }
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
                 const float d = at_div(amax, 127.0f);
                 const bool zero = __float_as_int(amax) == 0;
+                int qv[8], qs = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    qv[i] = zero ? 0 : (int)roundf(at_div(v[i], d));
+                    qs += qv[i];
+                }
+                qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+                qs += __shfl_xor_sync(0xffffffffu, qs, 2);
                 if (ok) {
                     i8* qrow = Oq + (size_t)t * QD + h * HD + 32 * c;
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int q0v = zero ? 0 : (int)roundf(at_div(v[2 * i], d));
-                        const int q1v = zero ? 0 : (int)roundf(at_div(v[2 * i + 1], d));
+                    for (int i = 0; i < 4; ++i)
                         *reinterpret_cast<u16*>(qrow + i * 8 + 2 * tig) =
-                            (u16)((q0v & 0xFF) | ((q1v & 0xFF) << 8));
-                    }
-                    if (tig == 0) Ods[(size_t)t * (QD / 32) + h * (HD / 32) + c] = make_float2(d, sum);
+                            (u16)((qv[2 * i] & 0xFF) | ((qv[2 * i + 1] & 0xFF) << 8));
+                    if (tig == 0)
+                        Ods[(size_t)t * (QD / 32) + h * (HD / 32) + c] = make_float2(d, __fmul_rn(d, (float)qs));
                 }
             }
         }

@@ -2,18 +2,23 @@
 // of the residual row, no float32 copy of the normed activations).
 //
 // In:  x float32 [R, K] residual rows (row r at x + r*K), y float32 [R, K] or null,
-//      w float32 [K] norm weight. K % 256 == 0, K <= 8192.
+//      w float32 [K] norm weight. K % 256 == 0, K <= 8192 (16-byte aligned rows).
 // Out: if y: x[r] = x[r] + y[r] (written back: the residual stream after the sub-layer);
 //      h = (x * (1 / sqrt(mean(x^2) + eps))) * w          (engine.reference.rms_norm, float32)
-//      q8_1 of h: q int8 [R, K], ds float2 [R, K/32] = (d, s) with quantize_q8_1.cu's formula
-//      (one warp per 32-block: amax butterfly, d = amax/127, q = roundf(h/d), s = butterfly sum);
+//      q8_1 of h: q int8 [R, K], ds float2 [R, K/32] = (d, s) per 32-block:
+//      d = amax/127, q = roundf(h/d) (quantize_q8_1.cu's d and q), s = d * sum(q) -- the sum of
+//      the DEQUANTIZED values, not quantize_q8_1.cu's sum of h: the q4_K GEMM subtracts
+//      dmin*m*s, so with s = d*sum(q) it computes exactly dequant(q8) . dequant(W), while
+//      s = sum(h) leaves the error -sum(e * d*sc*q4) (q4 >= 0) instead of -sum(e * W):
+//      about 2x the logit error on q4_K_M models (measured; docs/perf-log.md);
 //      hout float32 [R, K] = h when not null (tests).
-// Grid: R blocks of 256 threads (8 warps); thread (warp w, lane l) holds elements
-// 32*(w + 8*j) + l, j < K/256 (one q8_1 block per warp and j: coalesced 128-byte rows).
+// Grid: R blocks of 256 threads (8 warps); thread t holds the float4s i = t + 256 j (elements
+// 4i..4i+3), j < K/1024 (rounded up; K/4 % 64 == 0, so whole warps are in or out): 16-byte
+// coalesced loads and stores; a q8_1 block is 8 consecutive lanes (shuffles xor 1, 2, 4).
 #include "common.cuh"
 
 #define RN_THREADS 256
-#define RN_MAXJ 32           // K <= 32 * 256
+#define RN_MAXJ 8            // K <= 8 * 1024
 
 #ifndef GGP_EMU
 __device__ __forceinline__ float rn_add(float a, float b) {
@@ -31,18 +36,8 @@ inline float rn_add(float a, float b) { return a + b; }
 inline float rn_div(float a, float b) { return a / b; }
 #endif
 
-// One q8_1 block held one value per lane: write q[lane] and (lane 0) ds.
-__device__ __forceinline__ void rn_q8_block(float v, int lane, i8* __restrict__ q, float2* __restrict__ ds) {
-    float amax = fabsf(v), s = v;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        s = rn_add(s, __shfl_xor_sync(0xffffffffu, s, off));
-    }
-    const float d = rn_div(amax, 127.0f);
-    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(rn_div(v, d));
-    q[lane] = (i8)qi;
-    if (lane == 0) *ds = make_float2(d, s);
+__device__ __forceinline__ int rn_q(float v, float d, bool zero) {
+    return zero ? 0 : (int)roundf(rn_div(v, d));
 }
 
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
@@ -51,22 +46,29 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
                  int K, float eps) {
     __shared__ float red[RN_THREADS / 32];
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nj = K >> 8;
-    float* xr = x + (size_t)r * K;
-    const float* yr = y ? y + (size_t)r * K : nullptr;
-    float v[RN_MAXJ];
+    const int K4 = K >> 2;
+    float4* xr = reinterpret_cast<float4*>(x + (size_t)r * K);
+    const float4* yr = y ? reinterpret_cast<const float4*>(y + (size_t)r * K) : nullptr;
+    float4 v[RN_MAXJ];
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
-        if (j < nj) {
-            const int e = 32 * (warp + 8 * j) + lane;
-            float a = xr[e];
+        const int i = tid + RN_THREADS * j;
+        if (i < K4) {
+            float4 a = xr[i];
             if (yr) {
-                a = rn_add(a, yr[e]);
-                xr[e] = a;
+                const float4 b = yr[i];
+                a.x = rn_add(a.x, b.x);
+                a.y = rn_add(a.y, b.y);
+                a.z = rn_add(a.z, b.z);
+                a.w = rn_add(a.w, b.w);
+                xr[i] = a;
             }
             v[j] = a;
-            ss = fmaf(a, a, ss);
+            ss = fmaf(a.x, a.x, ss);
+            ss = fmaf(a.y, a.y, ss);
+            ss = fmaf(a.z, a.z, ss);
+            ss = fmaf(a.w, a.w, ss);
         }
     }
 #pragma unroll
@@ -77,16 +79,32 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
 #pragma unroll
     for (int i = 0; i < RN_THREADS / 32; ++i) tot += red[i];
     const float scale = rn_div(1.0f, sqrtf(rn_div(tot, (float)K) + eps));
-    i8* qr = q + (size_t)r * K;
+    u32* qr = reinterpret_cast<u32*>(q + (size_t)r * K);
     float2* dsr = ds + (size_t)r * (K >> 5);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
-        if (j < nj) {
-            const int blk = warp + 8 * j;
-            const int e = 32 * blk + lane;
-            const float h = __fmul_rn(__fmul_rn(v[j], scale), w[e]);
-            if (hout) hout[(size_t)r * K + e] = h;
-            rn_q8_block(h, lane, qr + 32 * blk, dsr + blk);
+        const int i = tid + RN_THREADS * j;
+        if (i < K4) {                                  // warp-uniform
+            const float4 wv = w4[i];
+            float4 h;
+            h.x = __fmul_rn(__fmul_rn(v[j].x, scale), wv.x);
+            h.y = __fmul_rn(__fmul_rn(v[j].y, scale), wv.y);
+            h.z = __fmul_rn(__fmul_rn(v[j].z, scale), wv.z);
+            h.w = __fmul_rn(__fmul_rn(v[j].w, scale), wv.w);
+            if (hout) reinterpret_cast<float4*>(hout + (size_t)r * K)[i] = h;
+            float amax = fmaxf(fmaxf(fabsf(h.x), fabsf(h.y)), fmaxf(fabsf(h.z), fabsf(h.w)));
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            const float d = rn_div(amax, 127.0f);
+            const bool zero = __float_as_int(amax) == 0;
+            const int q0 = rn_q(h.x, d, zero), q1 = rn_q(h.y, d, zero);
+            const int q2 = rn_q(h.z, d, zero), q3 = rn_q(h.w, d, zero);
+            int qs = q0 + q1 + q2 + q3;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, off);
+            qr[i] = (u32)(q0 & 0xFF) | ((u32)(q1 & 0xFF) << 8) | ((u32)(q2 & 0xFF) << 16) | ((u32)(q3 & 0xFF) << 24);
+            if ((lane & 7) == 0) dsr[i >> 3] = make_float2(d, __fmul_rn(d, (float)qs));
         }
     }
 }

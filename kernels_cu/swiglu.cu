@@ -3,8 +3,11 @@
 // In:  g, u float32, row t at g + t*ld, u + t*ld (F columns each; with the fused gate|up GEMM
 //      output [T, 2F] that is g = gu, u = gu + F, ld = 2F). F % 32 == 0.
 // Out: h = silu(g) * u = (g / (1 + exp(-g))) * u        (engine.reference.silu, float32)
-//      as q8_1: q int8 [T, F], ds float2 [T, F/32] = (d, s), quantize_q8_1.cu's formula.
-// One warp per 32-element block (nblk = T*F/32), lane i holds element i; block 256 threads.
+//      as q8_1: q int8 [T, F], ds float2 [T, F/32] = (d, s): d = amax/127, q = roundf(h/d),
+//      s = d * sum(q) (the dequantized sum; see rmsnorm.cu for why not sum(h)).
+// One thread per 4 consecutive elements (n4 = T*F/4 float4s, 16-byte loads: ld and the g/u
+// offsets are multiples of 4 floats); a q8_1 block is 8 consecutive lanes (shuffles xor 1, 2,
+// 4; lanes past n4 take part with zeros and store nothing). Block 256 threads.
 #include "common.cuh"
 
 #ifndef GGP_EMU
@@ -23,26 +26,42 @@ inline float sw_add(float a, float b) { return a + b; }
 inline float sw_div(float a, float b) { return a / b; }
 #endif
 
+__device__ __forceinline__ float sw_silu_mul(float g, float u) {
+    return __fmul_rn(sw_div(g, sw_add(1.0f, expf(-g))), u);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F,
-            i8* __restrict__ q, float2* __restrict__ ds, long long nblk) {
-    const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+            i8* __restrict__ q, float2* __restrict__ ds, long long n4) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // float4 index
     const int lane = threadIdx.x & 31;
-    if (gw >= nblk) return;                       // whole warps only
-    const int fb = F >> 5;
-    const long long t = gw / fb;
-    const int c = (int)(gw - t * fb);
-    const long long src = t * ld + 32 * c + lane;
-    const float gv = g[src], uv = u[src];
-    const float h = __fmul_rn(sw_div(gv, sw_add(1.0f, expf(-gv))), uv);
-    float amax = fabsf(h), s = h;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        s = sw_add(s, __shfl_xor_sync(0xffffffffu, s, off));
+    const bool ok = i < n4;                       // n4 = T*F/4; all lanes reach the shuffles
+    const int f4 = F >> 2;
+    const long long t = ok ? i / f4 : 0;
+    const int c = ok ? (int)(i - t * f4) : 0;
+    float4 gv = {0.0f, 0.0f, 0.0f, 0.0f}, uv = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (ok) {
+        gv = *reinterpret_cast<const float4*>(g + t * ld + 4 * c);
+        uv = *reinterpret_cast<const float4*>(u + t * ld + 4 * c);
     }
+    float h[4] = {sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y), sw_silu_mul(gv.z, uv.z),
+                  sw_silu_mul(gv.w, uv.w)};
+    float amax = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float d = sw_div(amax, 127.0f);
-    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(sw_div(h, d));
-    q[gw * 32 + lane] = (i8)qi;
-    if (lane == 0) ds[gw] = make_float2(d, s);
+    const bool zero = __float_as_int(amax) == 0;
+    int qv[4], qs = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        qv[k] = zero ? 0 : (int)roundf(sw_div(h[k], d));
+        qs += qv[k];
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, off);
+    if (ok) {
+        reinterpret_cast<u32*>(q)[i] = (u32)(qv[0] & 0xFF) | ((u32)(qv[1] & 0xFF) << 8) |
+                                       ((u32)(qv[2] & 0xFF) << 16) | ((u32)(qv[3] & 0xFF) << 24);
+        if ((lane & 7) == 0) ds[i >> 3] = make_float2(d, __fmul_rn(d, (float)qs));
+    }
 }

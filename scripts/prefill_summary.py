@@ -24,10 +24,11 @@ def main(out: str) -> int:
         print(f"rope {r['rope_type']} hd={r['hd']} bias={r['bias']}: f16 mismatches {r['mismatches']}, "
               f"cache rows outside touched {r['outside_touched']}")
     for r in by.get("prefill_swiglu", []):
-        print(f"swiglu+q8_1 fused={r['fused']}: excess over d/2 {r['excess_over_half_step']:.1e}, d rel {r['d_max_rel']:.1e}")
+        print(f"swiglu+q8_1 fused={r['fused']}: excess over d/2 {r['excess_over_half_step']:.1e}, d rel {r['d_max_rel']:.1e}, "
+              f"s mismatches {r.get('s_mismatches')}")
     for r in by.get("prefill_attention", []):
         print(f"attention hd={r['hd']} H={r['H']} KVH={r['KVH']} n={r['n']} start={r['start']} big={r['big']}: "
-              f"max err {r['max_err']:.2e} (bound {r['bound']:.2e}), q8 excess {r['q8_excess']:.1e}")
+              f"max err {r['max_err']:.2e} (bound {r['bound']:.2e}), q8 excess {r['q8_excess']:.1e}, s mismatches {r.get('s_mismatches')}")
     for r in by.get("prefill_resident", []):
         print(f"resident {r['model']}: {r['resident_bytes']} B = {r['ratio']:.4f}x file, load {r['load_seconds']:.2f} s")
     rows = by.get("prefill_model", [])
