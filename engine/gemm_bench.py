@@ -85,7 +85,7 @@ def abs_terms(kind: str, w, q, d, s, padded: bool = False):
     return tot, np.zeros_like(tot)
 
 
-def error_bound(variant: str, K: int, S, S_min):
+def error_bound(kind: str, variant: str, K: int, S, S_min):
     """The stated per-element bound on |y - ref| (float64 [T, N]).
 
     Integer dots are exact; each scaled term gets at most three float32 roundings and the
@@ -93,8 +93,9 @@ def error_bound(variant: str, K: int, S, S_min):
     (K/16 + 4) u S. The "tc" variants compute each stage's min term on TF32 tensor cores
     with s8 split hi + lo (representation error <= 2^-22 |s8|, products exact) and f32
     accumulation of 8 products (<= 8 x 2^-22 of their magnitude): + 40 u S_min."""
+    from engine.kernels import mmq_uses_tc
     b = (K / 16 + 4) * U32 * S
-    if variant.endswith("tc"):
+    if mmq_uses_tc(kind, variant):
         b = b + 40 * U32 * S_min
     return b
 
@@ -176,7 +177,7 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                            else Q.mmq_reference_q6_k(ws, q_h, d_h, s_h))
                     S, S_min = abs_terms(kind, ws, q_h, d_h, s_h)
                 err = np.abs(ys - ref)
-                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(v, K, S, S_min)))
+                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(kind, v, K, S, S_min)))
                 ops = 2.0 * T * N * K
                 row = {
                     "kind": kind, "N": N, "K": K, "T": T, "variant": v,

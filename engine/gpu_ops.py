@@ -16,7 +16,7 @@ import numpy as np
 from engine import kernels
 from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
-# Tile variant per kernel family (engine.kernels.MMQ_VARIANTS); measured in docs/perf-log.md.
+# Tile variant per kernel family (engine.kernels.MMQ_CONFIGS); measured in docs/perf-log.md.
 DEFAULT_VARIANT = {"q4_k": "m64n128tc", "q6_k": "m128n128w8"}
 
 
@@ -91,7 +91,7 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None):
     if weight.ggml_type not in (GGML_Q4_K, GGML_Q6_K):
         raise ValueError(f"mmq: unsupported weight type {weight.ggml_type}")
     variant = variant or DEFAULT_VARIANT[kind]
-    bm, bn, nth = kernels.mmq_tile(variant)
+    bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
     k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant), dynamic_smem=smem)
     grid = ((N + bn - 1) // bn, (T + bm - 1) // bm)

@@ -27,62 +27,69 @@ COMMON_HEADER = "common.cuh"
 OPTIONS: tuple[str, ...] = ("--std=c++17",)
 CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 
-# MMQ tile variants: name -> (MT, NT, WM, WN, MINB): warp tile (16 MT) tokens x (8 NT) rows,
-# WM x WN warps, block tile BM = 16 MT WM tokens x BN = 8 NT WN rows, __launch_bounds__ minimum
-# blocks per SM = MINB. A "tc" suffix (q4_K only) computes the min term on the tensor cores
-# (TF32 m16n8k4 per stage) instead of one FFMA per output and block.
-MMQ_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
-    "m64n128": (2, 4, 2, 4, 2),      # 8 warps of 32x32, 2 blocks/SM (<= 128 registers)
-    "m128n128": (2, 4, 4, 4, 1),     # 16 warps of 32x32, 1 block/SM (<= 128 registers)
-    "m128n128w8": (4, 4, 2, 4, 1),   # 8 warps of 64x32, 1 block/SM (<= 255 registers)
+# MMQ kernel configurations per family: name -> (MT, NT, WM, WN, MINB, KS, TC).
+# Warp tile (16 MT) tokens x (8 NT) rows, WM x WN warps, block tile BM = 16 MT WM tokens x
+# BN = 8 NT WN rows, __launch_bounds__ minimum blocks per SM = MINB, KS k per pipeline stage
+# (128 = half a super-block, 256 = one), TC (q4_K only): the min term per stage on TF32
+# tensor cores instead of one FFMA per output and block. Measured in docs/perf-log.md.
+MMQ_CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int, int, int]]] = {
+    "q4_k": {
+        "m64n128": (2, 4, 2, 4, 2, 128, 0),         # 8 warps of 32x32, 2 blocks/SM
+        "m64n128tc": (2, 4, 2, 4, 2, 128, 1),
+        "m64n128tc_k256": (2, 4, 2, 4, 2, 256, 1),
+        "m128n128w8tc": (4, 4, 2, 4, 1, 128, 1),    # 8 warps of 64x32, 1 block/SM
+        "m128n128w8tc_k256": (4, 4, 2, 4, 1, 256, 1),
+    },
+    "q6_k": {
+        "m64n128": (2, 4, 2, 4, 2, 128, 0),
+        "m128n128w8": (4, 4, 2, 4, 1, 128, 0),
+        "m128n128w8_k256": (4, 4, 2, 4, 1, 256, 0),
+    },
 }
-MMQ_TC_SUFFIX = "tc"
-MMQ_KS = 128          # k per pipeline stage (common.cuh)
-MMQ_NSTAGE = 3        # A / q4_K-B buffers
-_KIND_VARIANTS = {
-    "q4_k": ("m64n128", "m64n128tc", "m128n128tc", "m128n128w8tc"),
-    "q6_k": ("m64n128", "m128n128", "m128n128w8"),
-}
+MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
 
 
 def mmq_variants(kind: str) -> list[str]:
     """Variant names compiled (and tested, benchmarked) for a kernel family."""
-    return list(_KIND_VARIANTS[kind])
+    return list(MMQ_CONFIGS[kind])
 
 
-def _split_variant(variant: str) -> tuple[str, bool]:
-    if variant.endswith(MMQ_TC_SUFFIX) and variant[: -len(MMQ_TC_SUFFIX)] in MMQ_VARIANTS:
-        return variant[: -len(MMQ_TC_SUFFIX)], True
-    if variant not in MMQ_VARIANTS:
-        raise KeyError(f"unknown MMQ variant {variant!r}")
-    return variant, False
+def mmq_config(kind: str, variant: str) -> tuple[int, int, int, int, int, int, int]:
+    try:
+        return MMQ_CONFIGS[kind][variant]
+    except KeyError:
+        raise KeyError(f"unknown MMQ variant {variant!r} for {kind} "
+                       f"(have {', '.join(MMQ_CONFIGS.get(kind, {}))})") from None
 
 
 def mmq_instance(kind: str, variant: str) -> str:
-    base, tc = _split_variant(variant)
-    mt, nt, wm, wn, minb = MMQ_VARIANTS[base]
+    mt, nt, wm, wn, minb, ks, tc = mmq_config(kind, variant)
     if kind == "q4_k":
-        return f"mmq_q4_k<{mt}, {nt}, {wm}, {wn}, {minb}, {int(tc)}>"
-    if tc:
-        raise KeyError(f"variant {variant!r} exists for q4_k only")
-    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}>"
+        return f"mmq_q4_k<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}>"
+    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}>"
 
 
-def mmq_tile(variant: str) -> tuple[int, int, int]:
+def mmq_uses_tc(kind: str, variant: str) -> bool:
+    return bool(mmq_config(kind, variant)[6])
+
+
+def mmq_tile(kind: str, variant: str) -> tuple[int, int, int]:
     """(BM tokens, BN rows, threads) of a variant."""
-    mt, nt, wm, wn, _ = MMQ_VARIANTS[_split_variant(variant)[0]]
+    mt, nt, wm, wn, *_ = mmq_config(kind, variant)
     return wm * mt * 16, wn * nt * 8, wm * wn * 32
 
 
 def mmq_smem_bytes(kind: str, variant: str) -> int:
     """Dynamic shared memory of an MMQ instance (mirrors Q4KLayout / Q6KLayout; the kernel
     traps if it is given less)."""
-    bm, bn, _ = mmq_tile(variant)
-    a = MMQ_NSTAGE * (bm * MMQ_KS + bm * 32)
-    if kind == "q4_k":     # qs planes + 2 x {float2 (dsc, -M dsc), float [4][BN], float [BN]}
-        return a + MMQ_NSTAGE * bn * 64 + 2 * (4 * bn * 12 + bn * 4)
-    if kind == "q6_k":     # expanded B planes + 2 x float2 [4][BN]
-        return a + 2 * bn * MMQ_KS + 2 * 4 * bn * 8
+    bm, bn, _ = mmq_tile(kind, variant)
+    ks = mmq_config(kind, variant)[5]
+    nc = ks // 32
+    a = MMQ_NBUF * (bm * ks + bm * nc * 8)
+    if kind == "q4_k":     # qs planes + 2 x {dsc [NC][BN], m [NC][BN], -dmin [BN]} floats
+        return a + MMQ_NBUF * bn * (ks // 2) + 2 * (2 * nc * bn * 4 + bn * 4)
+    if kind == "q6_k":     # expanded B planes + 2 x float2 [NC][BN]
+        return a + MMQ_NBUF * bn * ks + MMQ_NBUF * nc * bn * 8
     raise ValueError(f"unknown MMQ kind {kind!r}")
 
 

@@ -91,6 +91,15 @@ __device__ __forceinline__ void mma_s8_k16(int (&d)[4], u32 a0, u32 a1, u32 b0, 
                  : "r"(a0), "r"(a1), "r"(b0), "r"(c), "r"(c), "r"(c), "r"(c));
 }
 
+// D += A(16x8 tf32, row) * B(8x8 tf32, col): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4);
+// b0 (k t, col g), b1 (k t+4, col g).
+__device__ __forceinline__ void mma_tf32_k8(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // D += A(16x4 tf32, row) * B(4x8 tf32, col): a0 row g col t, a1 row g+8 col t; b0 row t col g.
 __device__ __forceinline__ void mma_tf32_k4(float (&d)[4], u32 a0, u32 a1, u32 b0) {
     asm("mma.sync.aligned.m16n8k4.row.col.f32.tf32.tf32.f32 "
@@ -171,21 +180,23 @@ __device__ __forceinline__ void expand_q6_unit_elem(const u8* blk, int h, int l0
 // ---------------------------------------------------------------- MMQ tiling (shared by q4_K / q6_K)
 //
 // Block tile BM tokens x BN weight rows, WM x WN warps, warp tile (MT*16) x (NT*8).
-// K advances MMQ_KS = 128 (half a super-block) per stage. The A operand (tokens, q8_1) is
-// staged by cp.async in MMQ_NSTAGE = 3 buffers:
-//   sA   [BM][128] int8, 16-byte chunk ch of row r stored at chunk ch ^ (r & 7)
+// K advances KS (128 = half a super-block, or 256 = one) per stage; 2 buffers per operand,
+// one __syncthreads per stage (the copies of stage s+1 are issued right after it and have a
+// whole stage of compute to land). The A operand (tokens, q8_1) is staged by cp.async:
+//   sA   [BM][KS] int8, 16-byte chunk ch of row r stored at chunk ch ^ (r & 7)
 //        (ldmatrix reads 8 rows of one chunk: 8 distinct bank groups);
-//   sAds [BM][4] float2 (d8, s8) of the stage's four 32-element blocks.
-#define MMQ_KS 128
-#define MMQ_NSTAGE 3
+//   sAds [BM][KS/32] float2 (d8, s8) of the stage's 32-element blocks.
+#define MMQ_NBUF 2
 
-template <int MT, int NT, int WM, int WN>
+template <int MT, int NT, int WM, int WN, int KS>
 struct MmqShape {
+    static_assert(KS == 128 || KS == 256, "KS is 128 or 256");
     static constexpr int NTH = WM * WN * 32;
     static constexpr int BM = WM * MT * 16;
     static constexpr int BN = WN * NT * 8;
-    static constexpr int A_BYTES = BM * MMQ_KS;
-    static constexpr int ADS_BYTES = BM * 4 * 8;
+    static constexpr int NC = KS / 32;                 // q8_1 blocks per stage
+    static constexpr int A_BYTES = BM * KS;
+    static constexpr int ADS_BYTES = BM * NC * 8;
 };
 
 __device__ __forceinline__ u32 dyn_smem_bytes() {
@@ -194,34 +205,44 @@ __device__ __forceinline__ u32 dyn_smem_bytes() {
     return r;
 }
 
-// Issue the cp.async copies of stage s (k = 128 s .. 128 s + 127) of the q8_1 activations.
-// Tokens >= T are zero-filled (src-size 0, the source address clamped to row 0).
-template <int BM, int NTH>
+// Issue the cp.async copies of stage s (k = KS s .. KS s + KS - 1) of the q8_1 activations.
+// Thread tid copies the 16-byte chunk ch = tid % PR of rows row0 + i*(NTH/PR) (PR chunks per
+// row), so the source advances by a fixed stride per piece and the (swizzled) destination by
+// a constant. Tokens >= T are zero-filled (src-size 0, source clamped to row 0).
+template <int BM, int NTH, int KS>
 __device__ __forceinline__ void mmq_stage_a(u32 sA, u32 sAds, const i8* __restrict__ Aq,
                                             const float2* __restrict__ Ads, int m_base, int T,
                                             int K, int s, int tid) {
-    constexpr int NP = BM * 8;
+    constexpr int PR = KS / 16;
+    static_assert(NTH % PR == 0, "threads must cover whole rows");
+    constexpr int RSTEP = NTH / PR;
+    {
+        const int row0 = tid / PR, ch = tid % PR;
+        const i8* src0 = Aq + (size_t)(m_base + row0) * K + (size_t)s * KS + ch * 16;
+        const u32 dst0 = sA + row0 * KS + ((ch ^ (row0 & 7)) << 4);
 #pragma unroll
-    for (int i = 0; i < (NP + NTH - 1) / NTH; ++i) {
-        const int p = tid + i * NTH;
-        if (NP % NTH == 0 || p < NP) {
-            const int row = p >> 3, ch = p & 7;
-            const int t = m_base + row;
-            const bool ok = t < T;
-            const i8* src = Aq + (size_t)(ok ? t : 0) * K + s * MMQ_KS + ch * 16;
-            cp_async16(sA + row * MMQ_KS + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+        for (int i = 0; i < (BM + RSTEP - 1) / RSTEP; ++i) {
+            const int row = row0 + i * RSTEP;
+            if (BM % RSTEP == 0 || row < BM) {
+                const bool ok = m_base + row < T;
+                const i8* src = ok ? src0 + (size_t)i * RSTEP * K : Aq;
+                cp_async16(dst0 + i * RSTEP * KS, src, ok ? 16 : 0);
+            }
         }
     }
-    constexpr int ND = BM * 2;
+    constexpr int DR = KS / 64;                         // 16-byte pieces of (d, s) per row
+    constexpr int DSTEP = NTH / DR;
+    {
+        const int row0 = tid / DR, hf = tid % DR;
+        const float2* src0 = Ads + (size_t)(m_base + row0) * (K >> 5) + (size_t)s * (KS / 32) + hf * 2;
 #pragma unroll
-    for (int i = 0; i < (ND + NTH - 1) / NTH; ++i) {
-        const int p = tid + i * NTH;
-        if (ND % NTH == 0 || p < ND) {
-            const int row = p >> 1, hf = p & 1;
-            const int t = m_base + row;
-            const bool ok = t < T;
-            const float2* src = Ads + (size_t)(ok ? t : 0) * (K >> 5) + s * 4 + hf * 2;
-            cp_async16(sAds + row * 32 + hf * 16, src, ok ? 16 : 0);
+        for (int i = 0; i < (BM + DSTEP - 1) / DSTEP; ++i) {
+            const int row = row0 + i * DSTEP;
+            if (BM % DSTEP == 0 || row < BM) {
+                const bool ok = m_base + row < T;
+                const float2* src = ok ? src0 + (size_t)i * DSTEP * (K >> 5) : Ads;
+                cp_async16(sAds + row * (KS / 4) + hf * 16, src, ok ? 16 : 0);
+            }
         }
     }
 }
@@ -229,11 +250,12 @@ __device__ __forceinline__ void mmq_stage_a(u32 sA, u32 sAds, const i8* __restri
 // A fragment (m16 x k32) of m-tile rows [row0, row0+16) and 32-element block c of the stage.
 // lane l reads row row0 + (l&7) + 8*((l>>3)&1), chunk 2c + (l>>4): ldmatrix.x4 then yields
 // exactly a0..a3 of the m16n8k32 A fragment.
+template <int KS>
 __device__ __forceinline__ void mmq_load_a(u32 (&a)[4], u32 sA, int row0, int c, int lane) {
     const int r = lane & 7;
     const int row = row0 + r + (((lane >> 3) & 1) << 3);
     const int ch = 2 * c + (lane >> 4);
-    ldmatrix_x4(a[0], a[1], a[2], a[3], sA + row * MMQ_KS + ((ch ^ r) << 4));
+    ldmatrix_x4(a[0], a[1], a[2], a[3], sA + row * KS + ((ch ^ r) << 4));
 }
 
 // Store the accumulators: y[t, n] row-major [T, N]; d0,d1 -> (g, 2t..2t+1), d2,d3 -> (g+8, ..).

@@ -16,39 +16,39 @@
 //   acc = fma(u + v, d8, acc)
 // (An m16n8k32 would sum both halves under one scale; pre-scaling B by sc overflows int8.)
 //
-// B staging (per stage k = 128, half h of super-block b): the weight tile is expanded to
-// centred int8 (-32..31) in shared memory, sB [BN][128] with 16-byte chunk ch of row r at
-// ch ^ (r & 7), 2 buffers. A unit = (row, l0 in {0,16}) = 64 elements n = 32 qq + l0 + i:
+// B staging (per stage of KS = 128 or 256 k): the weight tile is expanded to centred int8
+// (-32..31) in shared memory, sB [BN][KS] with 16-byte chunk ch of row r at ch ^ (r & 7),
+// 2 buffers. A unit = (row, half h, l0 in {0,16}) = 64 elements 128 h + 32 qq + l0 + i:
 //   padded arm ((bstride & 15) == 0): three uint4 loads ql[64h+l0..], ql[64h+32+l0..],
 //     qh[32h+l0..] (all 16-byte aligned), prefetched into registers one stage ahead, then
 //     expand_q6_unit (closed form in registers) -> four 16-byte smem stores;
 //   raw arm (210-byte rows, 2-byte aligned): expand_q6_elem per element (byte loads).
 // Both arms write identical bytes, so their outputs are bit-identical.
-// sTab [4][BN] float2 (dsc_lo, dsc_hi) per row and q8_1 block of the stage, 2 buffers
+// sTab [KS/32][BN] float2 (dsc_lo, dsc_hi) per row and q8_1 block of the stage, 2 buffers
 // (-M dsc is formed in registers: shared-memory bandwidth is the tighter limit).
-// A (activations) as in mmq_q4_k.cu: cp.async, 3 buffers; one __syncthreads per stage.
+// A (activations) as in mmq_q4_k.cu: cp.async, 2 buffers; one __syncthreads per stage.
 #include "common.cuh"
 
-template <int MT, int NT, int WM, int WN>
+template <int MT, int NT, int WM, int WN, int KS>
 struct Q6KLayout {
-    using S = MmqShape<MT, NT, WM, WN>;
-    static constexpr int B_BYTES = S::BN * MMQ_KS;
-    static constexpr int TAB_BYTES = 4 * S::BN * 8;
-    static constexpr int OFF_ADS = MMQ_NSTAGE * S::A_BYTES;
-    static constexpr int OFF_B = OFF_ADS + MMQ_NSTAGE * S::ADS_BYTES;
-    static constexpr int OFF_TAB = OFF_B + 2 * B_BYTES;
-    static constexpr int SMEM = OFF_TAB + 2 * TAB_BYTES;
+    using S = MmqShape<MT, NT, WM, WN, KS>;
+    static constexpr int B_BYTES = S::BN * KS;
+    static constexpr int TAB_BYTES = S::NC * S::BN * 8;
+    static constexpr int OFF_ADS = MMQ_NBUF * S::A_BYTES;
+    static constexpr int OFF_B = OFF_ADS + MMQ_NBUF * S::ADS_BYTES;
+    static constexpr int OFF_TAB = OFF_B + MMQ_NBUF * B_BYTES;
+    static constexpr int SMEM = OFF_TAB + MMQ_NBUF * TAB_BYTES;
 };
 
-template <int MT, int NT, int WM, int WN, int MINB>
+template <int MT, int NT, int WM, int WN, int MINB, int KS>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K, int bstride) {
-    using S = MmqShape<MT, NT, WM, WN>;
-    using L = Q6KLayout<MT, NT, WM, WN>;
-    constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN;
+    using S = MmqShape<MT, NT, WM, WN, KS>;
+    using L = Q6KLayout<MT, NT, WM, WN, KS>;
+    constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN, NC = S::NC;
     static_assert(NT % 2 == 0, "NT must be even (one ldmatrix.x4 covers two n-tiles)");
-    constexpr int NU = 2 * BN;                      // expansion units: (row, l0)
+    constexpr int NU = BN * (KS / 64);              // expansion units: (row, half, l0)
     constexpr int UPT = (NU + NTH - 1) / NTH;
 
     extern __shared__ __align__(16) u8 smem[];
@@ -59,7 +59,7 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     const int wm = warp / WN, wn = warp % WN;
     const int m0 = wm * MT * 16, n0 = wn * NT * 8;
     const int n_base = blockIdx.x * BN, m_base = blockIdx.y * BM;
-    const int nst = K / MMQ_KS;
+    const int nst = K / KS;
     const size_t rb = (size_t)(K >> 8) * bstride;
     const bool padded = (bstride & 15) == 0;       // the uint4 gate
     const u32 sbase = smem_u32(smem);
@@ -68,18 +68,21 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     uint4 pql0[UPT], pql1[UPT], pqh[UPT];
     uint2 psc[UPT];
     u32 pd[UPT];
+    // unit u: row u % BN, q = u / BN -> half h = h0 + (q >> 1) of super-block (s KS) / 256,
+    // l0 = 16 (q & 1); it expands the 64 elements 128 h + 32 qq + l0 + i (qq, i = 0..3, 0..15)
     auto load_b = [&](int s) {
-        const int h = s & 1;
+        const int k0 = s * KS;
 #pragma unroll
         for (int i = 0; i < UPT; ++i) {
             const int u = tid + i * NTH;
-            const int row = u % BN, l0 = (u / BN) * 16;
+            const int row = u % BN, q = u / BN;
+            const int h = ((k0 & 255) >> 7) + (q >> 1), l0 = (q & 1) * 16;
             const int n = n_base + row;
             pql0[i] = pql1[i] = pqh[i] = make_uint4(0, 0, 0, 0);
             psc[i] = make_uint2(0, 0);
             pd[i] = 0;
             if (padded && (NU % NTH == 0 || u < NU) && n < N) {
-                const u8* blk = W + (size_t)n * rb + (size_t)(s >> 1) * bstride;
+                const u8* blk = W + (size_t)n * rb + (size_t)(k0 >> 8) * bstride;
                 pql0[i] = __ldg(reinterpret_cast<const uint4*>(blk + 64 * h + l0));
                 pql1[i] = __ldg(reinterpret_cast<const uint4*>(blk + 64 * h + 32 + l0));
                 pqh[i] = __ldg(reinterpret_cast<const uint4*>(blk + 128 + 32 * h + l0));
@@ -91,14 +94,16 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     auto store_b = [&](int s, int bb) {
         const u32 sB = sbase + L::OFF_B + bb * L::B_BYTES;
         float* tab = reinterpret_cast<float*>(smem + L::OFF_TAB + bb * L::TAB_BYTES);
-        const int h = s & 1;
+        const int k0 = s * KS;
 #pragma unroll
         for (int i = 0; i < UPT; ++i) {
             const int u = tid + i * NTH;
             if (NU % NTH == 0 || u < NU) {
-                const int row = u % BN, l0b = u / BN;
+                const int row = u % BN, q = u / BN;
+                const int hs = q >> 1, l0b = q & 1;             // half within the stage, l0 / 16
+                const int h = ((k0 & 255) >> 7) + hs;           // half within the super-block
                 const int n = n_base + row;
-                const u32 rowB = sB + row * MMQ_KS;
+                const u32 rowB = sB + row * KS;
                 if (padded || n >= N) {
                     // padded arm (or an out-of-range row: the prefetch registers are zero)
                     uint4 out[4];
@@ -108,15 +113,15 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     for (int qq = 0; qq < 4; ++qq) {
                         const u32 w = (qq < 2) ? psc[i].x : psc[i].y;
                         const int sc = (int)(i8)((w >> (8 * ((2 * qq + l0b) & 3))) & 0xFF);
-                        const int ch = 2 * qq + l0b;
+                        const int ch = 8 * hs + 2 * qq + l0b;
                         if (n >= N) out[qq] = make_uint4(0, 0, 0, 0);
                         st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), out[qq]);
                         const float dsc = (n >= N) ? 0.0f : d * (float)sc;
-                        tab[2 * (qq * BN + row) + l0b] = dsc;
+                        tab[2 * ((4 * hs + qq) * BN + row) + l0b] = dsc;
                     }
                 } else {
                     // raw arm: per-element byte loads (expand_q6_elem), one 16-byte group at a time
-                    const u8* blk = W + (size_t)n * rb + (size_t)(s >> 1) * bstride;
+                    const u8* blk = W + (size_t)n * rb + (size_t)(k0 >> 8) * bstride;
                     const float d = f16_to_f32((u16)(blk[208] | (blk[209] << 8)));
 #pragma unroll 1
                     for (int qq = 0; qq < 4; ++qq) {
@@ -131,10 +136,10 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                             }
                             w[j] = acc4;
                         }
-                        const int ch = 2 * qq + l0b;
+                        const int ch = 8 * hs + 2 * qq + l0b;
                         st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), make_uint4(w[0], w[1], w[2], w[3]));
                         const float dsc = d * (float)(int)(i8)blk[192 + 8 * h + 2 * qq + l0b];
-                        tab[2 * (qq * BN + row) + l0b] = dsc;
+                        tab[2 * ((4 * hs + qq) * BN + row) + l0b] = dsc;
                     }
                 }
             }
@@ -149,45 +154,38 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-    // ---- prologue
-    mmq_stage_a<BM, NTH>(sbase, sbase + L::OFF_ADS, Aq, Ads, m_base, T, K, 0, tid);
-    cp_async_commit();
-    if (nst > 1)
-        mmq_stage_a<BM, NTH>(sbase + S::A_BYTES, sbase + L::OFF_ADS + S::ADS_BYTES, Aq, Ads,
-                             m_base, T, K, 1, tid);
+    // ---- prologue: stage 0 of A in flight, B/table 0 expanded, B 1 in registers
+    mmq_stage_a<BM, NTH, KS>(sbase, sbase + L::OFF_ADS, Aq, Ads, m_base, T, K, 0, tid);
     cp_async_commit();
     load_b(0);
     store_b(0, 0);
     if (nst > 1) load_b(1);
 
     const int lr = lane & 7;
-    int bs = 0;                                   // A buffer of stage s (s % 3)
     for (int s = 0; s < nst; ++s) {
-        cp_async_wait<1>();
+        const int bs = s & 1;
+        cp_async_wait<0>();
         __syncthreads();
-        {
-            const int bs2 = (bs >= 1) ? bs - 1 : 2;   // (s + 2) % 3
-            if (s + 2 < nst)
-                mmq_stage_a<BM, NTH>(sbase + bs2 * S::A_BYTES, sbase + L::OFF_ADS + bs2 * S::ADS_BYTES,
-                                     Aq, Ads, m_base, T, K, s + 2, tid);
-            cp_async_commit();
-        }
+        if (s + 1 < nst)
+            mmq_stage_a<BM, NTH, KS>(sbase + (bs ^ 1) * S::A_BYTES, sbase + L::OFF_ADS + (bs ^ 1) * S::ADS_BYTES,
+                                     Aq, Ads, m_base, T, K, s + 1, tid);
+        cp_async_commit();
         const u32 sA = sbase + bs * S::A_BYTES;
-        const float2* sAds = reinterpret_cast<const float2*>(smem + L::OFF_ADS + bs * S::ADS_BYTES);
-        const u32 sB = sbase + L::OFF_B + (s & 1) * L::B_BYTES;
-        const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + (s & 1) * L::TAB_BYTES);
+        const float* sAdsf = reinterpret_cast<const float*>(smem + L::OFF_ADS + bs * S::ADS_BYTES);
+        const u32 sB = sbase + L::OFF_B + bs * L::B_BYTES;
+        const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + bs * L::TAB_BYTES);
 
 #pragma unroll 1
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < NC; ++c) {
             // A fragments and d8 of every m-tile first, then one n-tile pair at a time (keeps
             // the live B fragments and scales to one pair: no spills at 128 registers)
             u32 a[MT][4];
             float dl[MT], dh[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mmq_load_a(a[mt], sA, m0 + mt * 16, c, lane);
-                dl[mt] = reinterpret_cast<const float*>(sAds)[2 * ((m0 + mt * 16 + g) * 4 + c)];
-                dh[mt] = reinterpret_cast<const float*>(sAds)[2 * ((m0 + mt * 16 + g + 8) * 4 + c)];
+                mmq_load_a<KS>(a[mt], sA, m0 + mt * 16, c, lane);
+                dl[mt] = sAdsf[2 * ((m0 + mt * 16 + g) * NC + c)];
+                dh[mt] = sAdsf[2 * ((m0 + mt * 16 + g + 8) * NC + c)];
             }
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
@@ -195,7 +193,7 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                 {
                     const int row = n0 + (2 * np + (lane >> 4)) * 8 + lr;
                     const int ch = 2 * c + ((lane >> 3) & 1);
-                    ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], sB + row * MMQ_KS + ((ch ^ lr) << 4));
+                    ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1], sB + row * KS + ((ch ^ lr) << 4));
                 }
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
@@ -224,10 +222,9 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         }
 
         if (s + 1 < nst) {
-            store_b(s + 1, (s + 1) & 1);
+            store_b(s + 1, bs ^ 1);
             if (s + 2 < nst) load_b(s + 2);
         }
-        bs = (bs == 2) ? 0 : bs + 1;
     }
 
     mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);

@@ -141,9 +141,10 @@ def _run_mmq(cp, w_dev, act, T, N, variant):
 
 
 def _check_gemm(kind, variant, T, N, K, y, ref, SS, label):
+    from engine import kernels
     from engine.gemm_bench import error_bound
     S, S_min = SS
-    bound = error_bound(variant, K, S, S_min)
+    bound = error_bound(kind, variant, K, S, S_min)
     err = np.abs(y.astype(np.float64) - ref)
     finite = np.isfinite(y)
     bad = ~finite | (err > bound)
@@ -153,7 +154,8 @@ def _check_gemm(kind, variant, T, N, K, y, ref, SS, label):
     rel = float(np.linalg.norm(np.where(finite, y, 0) - ref) / max(np.linalg.norm(ref), 1e-300))
     _report(test="mmq", kind=kind, layout=label, variant=variant, T=T, N=N, K=K,
             bad=int(bad.sum()), nonfinite=int((~finite).sum()),
-            worst_err_over_uS=worst, bound_over_uS=K / 16 + 4 + (40 if variant.endswith("tc") else 0),
+            worst_err_over_uS=worst,
+            bound_over_uS=K / 16 + 4 + (40 if kernels.mmq_uses_tc(kind, variant) else 0),
             rel_l2=rel)
     assert not bad.any(), f"{kind}/{label}/{variant} T={T} N={N} K={K}: {describe_errors(bad)}"
 

@@ -54,5 +54,5 @@ def test_compiles_for_sm90(fname, capsys):
 def test_smem_fits_sm90():
     # 227 KB per block on sm_90
     for kind in ("q4_k", "q6_k"):
-        for v in kernels.MMQ_VARIANTS:
+        for v in kernels.mmq_variants(kind):
             assert kernels.mmq_smem_bytes(kind, v) <= 227 * 1024, (kind, v)
