@@ -1,0 +1,692 @@
+"""Greedy decoding on the GPU: one token per step, the whole step captured once in a CUDA graph.
+
+A decode step (one token at position p = KV length before it) is:
+
+    x = embed(token)                                   decode_fused.cu  decode_embed
+    per layer:
+        a = q8_1(rmsnorm(x) * attn_norm)               decode_fused.cu  rmsnorm_q8
+        qkv = [Wq; Wk; Wv] a                           mmvq_q4_k.cu / mmvq_q6_k.cu (store, 1-2 launches)
+        q, K[p], V[p] = rope(qkv + bias)               decode_fused.cu  qkv_post
+        o = attention(q, K[0..p], V[0..p])             attention_decode.cu split + combine (-> q8_1)
+        x += Wo o                                      mmvq (add)
+        a = q8_1(rmsnorm(x) * ffn_norm)                rmsnorm_q8
+        h = silu(Wg a) * (Wu a)                        mmvq (swiglu: gate and up in one launch)
+        x += Wd q8_1(h)                                quantize_q8_1.cu + mmvq (add)
+    logits = Wout q8_1(rmsnorm(x) * output_norm)       rmsnorm_q8 + mmvq (store)
+    token = argmax(logits); p += 1                     argmax.cu  (writes the next step's input)
+
+The token and the position live in device memory (`state` int32 [4]: token, position, count of
+emitted tokens), so the same launches serve every step: `DecodePlan` records them once into a
+CUDA graph (CuPy stream capture) and replays it. Per step, the host either writes the state
+(one tiny kernel, `set_state`) and copies the logits back (the Backend protocol), or replays the
+graph back to back with the token chained on the device and reads the emitted ids at the end
+(`DecodePlan.chain`, the benchmark path: only token ids come back).
+
+Backends:
+- `DecodeModel`: a self-contained GPU backend (Backend protocol of docs/ARCHITECTURE.md) that
+  uploads the weights itself (engine.gpu_weights) and feeds a prompt through decode steps.
+- `attach(gpu_model)` / `DecodePlan.for_cache(...)`: the same plan over weights and a KV cache
+  that another module owns (engine.gpu_model's prefill), given per-layer K/V views and strides.
+
+`bench_decode(model, n_gen, depth, reps)` measures tg rows (tok/s per rep), llama-bench style.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from engine import decode_kernels as DK
+from engine import kernels
+from engine.config import ModelConfig
+from engine.errors import GGUFError
+
+MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
+# q8_1 block sum of the step's activations: "q" -> s = d * sum(q) (ggml's CPU q8_1: the q4_K
+# min term then cancels exactly, GEMV = dequant(W) . dequant(x)); "x" -> s = sum(x) (the
+# engine.quants / quantize_q8_1.cu contract). "q" measured about 3x closer to the float32
+# reference's logits on a real-weight slice (decode_fused.cu header).
+ACT_SUM = "q"
+ATT_TK = 64               # keys per attention tile (attention_decode.cu)
+DEFAULT_ROWS_PER_WARP = 2
+
+_WTYPE = {"F32": 0, "F16": 1, "Q4_K": 12, "Q6_K": 14}
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _null():
+    return np.uint64(0)
+
+
+def _k(fname: str, name: str):
+    return kernels.get_kernel(fname, name)
+
+
+# ----------------------------------------------------------------------------- weights
+
+@dataclass
+class EmbedTable:
+    """token_embd on the device as raw rows: uint8 [vocab, row_bytes] + how to decode a row."""
+    data: object
+    type_name: str            # F32 | F16 | Q4_K | Q6_K
+    cols: int
+    block_stride: int = 0     # bytes per 256-block (144, 210 or 224); 0 for F32/F16
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.data.shape[1])
+
+
+@dataclass
+class DecodeLayer:
+    attn_norm: object
+    ffn_norm: object
+    attn_q: object            # engine.gpu_weights.DeviceWeight
+    attn_k: object
+    attn_v: object
+    attn_output: object
+    ffn_gate: object
+    ffn_up: object
+    ffn_down: object
+    qkv_bias: object = None   # float32 [q_dim + 2 kv_dim] or None
+
+
+@dataclass
+class DecodeWeights:
+    config: ModelConfig
+    embed: EmbedTable
+    layers: list[DecodeLayer]
+    output_norm: object
+    output: object            # DeviceWeight
+    resident_bytes: int = 0
+
+    @classmethod
+    def upload(cls, model_file, pad_q6k: bool = True, progress: bool = False) -> "DecodeWeights":
+        """Every tensor of a validated engine.weights.ModelFile to the current device."""
+        cp = _cp()
+        from engine.gpu_weights import upload_tensor
+        from engine.weights import layer_name
+
+        cfg = model_file.config
+        total = [0]
+
+        def mat(name):
+            t = model_file.tensor(name)
+            if t.type_name not in ("Q4_K", "Q6_K"):
+                raise GGUFError(f"{model_file.path}: tensor '{name}' is {t.type_name}; the GPU decode "
+                                f"path multiplies Q4_K and Q6_K matrices only")
+            w = upload_tensor(t, pad_q6k=pad_q6k)
+            total[0] += w.nbytes
+            return w
+
+        def vec(name):
+            a = cp.asarray(np.asarray(model_file.tensor(name).data, dtype=np.float32))
+            total[0] += a.nbytes
+            return a
+
+        t0 = time.perf_counter()
+        layers = []
+        for i in range(cfg.n_layers):
+            bias = None
+            if cfg.has_qkv_bias or model_file.has(layer_name(i, "attn_q", "bias")):
+                parts = [np.asarray(model_file.tensor(layer_name(i, r, "bias")).data, dtype=np.float32)
+                         for r in ("attn_q", "attn_k", "attn_v")]
+                bias = cp.asarray(np.concatenate(parts))
+                total[0] += bias.nbytes
+            layers.append(DecodeLayer(
+                attn_norm=vec(layer_name(i, "attn_norm")), ffn_norm=vec(layer_name(i, "ffn_norm")),
+                attn_q=mat(layer_name(i, "attn_q")), attn_k=mat(layer_name(i, "attn_k")),
+                attn_v=mat(layer_name(i, "attn_v")), attn_output=mat(layer_name(i, "attn_output")),
+                ffn_gate=mat(layer_name(i, "ffn_gate")), ffn_up=mat(layer_name(i, "ffn_up")),
+                ffn_down=mat(layer_name(i, "ffn_down")), qkv_bias=bias))
+            if progress:
+                print(f"\rdecode weights: layer {i + 1}/{cfg.n_layers}", end="", flush=True)
+        output = mat("token_embd.weight" if cfg.tied_output else "output.weight")
+        embed = embed_table(model_file.tensor("token_embd.weight"), output if cfg.tied_output else None,
+                            pad_q6k=pad_q6k)
+        if not cfg.tied_output:
+            total[0] += int(embed.data.nbytes)
+        w = cls(cfg, embed, layers, vec("output_norm.weight"), output, total[0])
+        if progress:
+            print(f"\rdecode weights: {total[0] / 2**30:.2f} GiB on the GPU in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+        return w
+
+
+def embed_table(info, shared=None, pad_q6k: bool = True) -> EmbedTable:
+    """token_embd as an EmbedTable; `shared` (a DeviceWeight of the same tensor) is reused."""
+    cp = _cp()
+    tn = info.type_name
+    if tn not in _WTYPE:
+        raise GGUFError(f"token_embd.weight: type {tn} is not supported by the GPU decode path")
+    cols = int(info.shape[-1])
+    if shared is not None:
+        return EmbedTable(shared.data, shared.type_name, shared.cols, shared.block_stride)
+    if tn in ("Q4_K", "Q6_K"):
+        from engine.gpu_weights import upload_tensor
+
+        w = upload_tensor(info, pad_q6k=pad_q6k)
+        return EmbedTable(w.data, tn, cols, w.block_stride)
+    raw = np.ascontiguousarray(np.asarray(info.data)).view(np.uint8).reshape(info.shape[0], -1)
+    return EmbedTable(cp.asarray(raw), tn, cols, 0)
+
+
+# ----------------------------------------------------------------------------- launches
+
+def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
+                rows_per_warp: int = DEFAULT_ROWS_PER_WARP) -> None:
+    """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
+
+    store: up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
+    add:   one matrix, outs[0] += W x.
+    swiglu: weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
+    """
+    w0 = weights[0]
+    kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
+    for w in weights:
+        if w.kind != kind or bool(getattr(w, "padded", False)) != padded or int(w.cols) != K:
+            raise ValueError("mmvq: matrices of one launch must share kind, layout and K")
+    if mode == "swiglu":
+        if len(weights) != 2 or weights[1].rows != w0.rows:
+            raise ValueError("mmvq swiglu: needs (gate, up) with the same rows")
+        segs = [w0]
+    elif mode == "add":
+        if len(weights) != 1:
+            raise ValueError("mmvq add: one matrix")
+        segs = [w0]
+    else:
+        if not 1 <= len(weights) <= 3:
+            raise ValueError("mmvq store: 1 to 3 matrices")
+        segs = list(weights)
+    rpb = MMVQ_NW * rows_per_warp
+    nbs = [-(-int(w.rows) // rpb) for w in segs]
+    grid = sum(nbs)
+    nb1 = nbs[0]
+    nb2 = nb1 + (nbs[1] if len(nbs) > 1 else 0)
+    ws = [w.data for w in weights] + [w0.data] * (3 - len(weights))
+    ys = list(outs) + [outs[0]] * (3 - len(outs))
+    ns = [int(w.rows) for w in segs] + [0] * (3 - len(segs))
+    name = DK.mmvq_name(kind, rows_per_warp, mode, padded)
+    k = _k("mmvq_q4_k.cu" if kind == "q4_k" else "mmvq_q6_k.cu", name)
+    if grid:
+        k((grid,), (MMVQ_NW * 32,), (ws[0], ws[1], ws[2], ys[0], ys[1], ys[2],
+                                     np.int32(ns[0]), np.int32(ns[1]), np.int32(ns[2]),
+                                     np.int32(nb1), np.int32(nb2), xq, xds, np.int32(K)))
+
+
+def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) -> int:
+    """Splits over keys: enough blocks to fill the GPU (about 4 per SM) at the longest context,
+    but at least a tile of keys per split."""
+    if n_sm is None:
+        n_sm = _cp().cuda.Device().attributes["MultiProcessorCount"]
+    return max(1, min(-(-max_tokens // ATT_TK), -(-4 * n_sm // n_kv_heads)))
+
+
+def attention_launch(q, k_layer, v_layer, tok_stride: int, head_stride: int, pos_dev,
+                     n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_split: int,
+                     part_o, part_ml, oq, ods, out=None, sum_q: bool = True) -> None:
+    """Decode attention of q [H, hd] (float32) over keys 0..pos (pos read on the device):
+    split kernel + combine kernel; writes q8_1 (oq, ods; s per `sum_q`, see ACT_SUM) and, if
+    given, float32 `out`."""
+    group = n_heads // n_kv_heads
+    if group not in DK.ATTN_GROUPS or head_dim not in DK.ATTN_HEAD_DIMS:
+        raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
+                        f"is not compiled (groups {DK.ATTN_GROUPS}, head sizes {DK.ATTN_HEAD_DIMS})")
+    scale = np.float32(1.0 / np.sqrt(head_dim))
+    ks = _k("attention_decode.cu", DK.attn_split_name(head_dim, group, kv_dtype))
+    ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
+                                       pos_dev, scale, part_o, part_ml))
+    kc = _k("attention_decode.cu", DK.attn_combine_name(head_dim))
+    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split),
+                                 out if out is not None else _null(), oq, ods, np.int32(bool(sum_q))))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+class DeviceKVCache:
+    """K and V on the device: [n_layers, max_tokens, n_kv_heads, head_dim], float16 (default)
+    or float32; `length` tokens are filled."""
+
+    def __init__(self, cfg: ModelConfig, max_tokens: int, dtype: str = "f16"):
+        cp = _cp()
+        if dtype not in DK.KV_DTYPES:
+            raise ValueError(f"KV dtype must be one of {DK.KV_DTYPES}")
+        shape = (cfg.n_layers, max_tokens, cfg.n_kv_heads, cfg.head_dim)
+        np_dtype = np.float16 if dtype == "f16" else np.float32
+        self.k = cp.zeros(shape, dtype=np_dtype)
+        self.v = cp.zeros(shape, dtype=np_dtype)
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self.length = 0
+        self.plan = None          # DecodePlan bound to these buffers (built on first use)
+
+    def layer_views(self):
+        return [self.k[i] for i in range(self.k.shape[0])], [self.v[i] for i in range(self.v.shape[0])]
+
+    @property
+    def tok_stride(self) -> int:
+        return int(self.k.shape[2] * self.k.shape[3])
+
+    @property
+    def head_stride(self) -> int:
+        return int(self.k.shape[3])
+
+
+# ----------------------------------------------------------------------------- the step
+
+@dataclass
+class StepTimes:
+    graph_build_ms: float = 0.0
+    host_us_graph: list = field(default_factory=list)   # host time to enqueue one step, graph
+    host_us_eager: list = field(default_factory=list)   # the same, kernel by kernel
+
+
+class DecodePlan:
+    """All launches of one decode step over given weights and KV buffers, and its CUDA graph."""
+
+    def __init__(self, weights: DecodeWeights, k_layers, v_layers, tok_stride: int, head_stride: int,
+                 kv_dtype: str, max_tokens: int, rows_per_warp: int = DEFAULT_ROWS_PER_WARP,
+                 n_split: int | None = None, hist_cap: int = 4096, act_sum: str = ACT_SUM):
+        cp = _cp()
+        from engine.gpu_ops import Q8Act
+        from engine.reference import rope_tables
+
+        self.w = weights
+        cfg = self.cfg = weights.config
+        self.k_layers, self.v_layers = list(k_layers), list(v_layers)
+        self.tok_stride, self.head_stride = int(tok_stride), int(head_stride)
+        self.kv_dtype = kv_dtype
+        self.max_tokens = int(max_tokens)
+        self.rows_per_warp = rows_per_warp
+        if act_sum not in ("q", "x"):
+            raise ValueError("act_sum must be 'q' or 'x'")
+        self.sum_q = np.int32(act_sum == "q")
+        self.n_split = n_split or attention_splits(self.max_tokens, cfg.n_kv_heads)
+        d, qd, kvd, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
+        f32 = np.float32
+        self.state = cp.zeros(4, dtype=np.int32)
+        self.hist_cap = hist_cap
+        self.hist = cp.zeros(hist_cap, dtype=np.int32)
+        self.best = cp.zeros(1, dtype=f32)
+        self.x = cp.zeros(d, dtype=f32)
+        self.qkv = cp.zeros(qd + 2 * kvd, dtype=f32)
+        self.qrot = cp.zeros(qd, dtype=f32)
+        self.part_o = cp.zeros((cfg.n_heads, self.n_split, cfg.head_dim), dtype=f32)
+        self.part_ml = cp.zeros((cfg.n_heads, self.n_split, 2), dtype=f32)
+        self.act_d = Q8Act(cp.zeros((1, d), dtype=np.int8), cp.zeros((1, d // 32, 2), dtype=f32))
+        self.act_q = Q8Act(cp.zeros((1, qd), dtype=np.int8), cp.zeros((1, qd // 32, 2), dtype=f32))
+        self.act_ff = Q8Act(cp.zeros((1, ff), dtype=np.int8), cp.zeros((1, ff // 32, 2), dtype=f32))
+        self.hff = cp.zeros((1, ff), dtype=f32)
+        self.ffa = self.ffb = None
+        if any(not self._same_launch(L.ffn_gate, L.ffn_up) for L in weights.layers):
+            self.ffa = cp.zeros(ff, dtype=f32)
+            self.ffb = cp.zeros(ff, dtype=f32)
+        self.logits = cp.zeros(cfg.vocab_size, dtype=f32)
+        cos, sin = rope_tables(cfg, np.arange(self.max_tokens))
+        self.rcos, self.rsin = cp.asarray(cos), cp.asarray(sin)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graph = None
+        self.times = StepTimes()
+        self.eps = np.float32(cfg.rms_eps)
+        cp.cuda.Device().synchronize()        # uploads / zero fills ran on the legacy stream
+
+    @classmethod
+    def for_cache(cls, weights: DecodeWeights, cache: DeviceKVCache, **kw) -> "DecodePlan":
+        kl, vl = cache.layer_views()
+        return cls(weights, kl, vl, cache.tok_stride, cache.head_stride, cache.dtype, cache.max_tokens, **kw)
+
+    @staticmethod
+    def _same_launch(a, b) -> bool:
+        return a.kind == b.kind and bool(getattr(a, "padded", False)) == bool(getattr(b, "padded", False))
+
+    # -- the launches of one step (current stream) ------------------------------------------
+    def enqueue(self) -> None:
+        cfg, w, R = self.cfg, self.w, self.rows_per_warp
+        d, qd, kvd = cfg.d_model, cfg.q_dim, cfg.kv_dim
+        e = w.embed
+        _k("decode_fused.cu", "decode_embed")((-(-d // 256),), (256,), (
+            e.data, np.int64(e.row_bytes), np.int32(_WTYPE[e.type_name]), np.int32(e.block_stride),
+            self.state, self.x, np.int32(d)))
+        rms = _k("decode_fused.cu", "rmsnorm_q8")
+        qrow = _k("decode_fused.cu", "quantize_row_q8")
+        post = _k("decode_fused.cu", "qkv_post_" + self.kv_dtype)
+        n_post = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // 2 + kvd
+        q_out, k_out, v_out = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
+        for i, L in enumerate(w.layers):
+            rms((1,), (1024,), (self.x, L.attn_norm, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
+                                _null(), self.sum_q))
+            # q, k, v: one launch per run of matrices that share kind and layout
+            groups: list[tuple[list, list]] = []
+            for wt, out in ((L.attn_q, q_out), (L.attn_k, k_out), (L.attn_v, v_out)):
+                if groups and self._same_launch(groups[-1][0][0], wt):
+                    groups[-1][0].append(wt)
+                    groups[-1][1].append(out)
+                else:
+                    groups.append(([wt], [out]))
+            for ws, outs in groups:
+                mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store", R)
+            post((-(-n_post // 256),), (256,), (
+                self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
+                self.state, self.qrot, self.k_layers[i], self.v_layers[i], np.int64(self.tok_stride),
+                np.int64(self.head_stride), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads),
+                np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
+            attention_launch(self.qrot, self.k_layers[i], self.v_layers[i], self.tok_stride, self.head_stride,
+                             self.state[1:2], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype,
+                             self.n_split, self.part_o, self.part_ml, self.act_q.q, self.act_q.ds,
+                             sum_q=bool(self.sum_q))
+            mmvq_launch([L.attn_output], [self.x], self.act_q.q, self.act_q.ds, "add", R)
+            rms((1,), (1024,), (self.x, L.ffn_norm, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
+                                _null(), self.sum_q))
+            if self._same_launch(L.ffn_gate, L.ffn_up):
+                mmvq_launch([L.ffn_gate, L.ffn_up], [self.hff], self.act_d.q, self.act_d.ds, "swiglu", R)
+            else:
+                mmvq_launch([L.ffn_gate], [self.ffa], self.act_d.q, self.act_d.ds, "store", R)
+                mmvq_launch([L.ffn_up], [self.ffb], self.act_d.q, self.act_d.ds, "store", R)
+                ff = cfg.d_ff
+                _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
+                                                                               np.int32(ff)))
+            qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
+                                                  np.int32(cfg.d_ff // 32), self.sum_q))
+            mmvq_launch([L.ffn_down], [self.x], self.act_ff.q, self.act_ff.ds, "add", R)
+        rms((1,), (1024,), (self.x, w.output_norm, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
+                            _null(), self.sum_q))
+        mmvq_launch([w.output], [self.logits], self.act_d.q, self.act_d.ds, "store", R)
+        _k("argmax.cu", "argmax_step")((1,), (1024,), (self.logits, np.int32(cfg.vocab_size), self.state,
+                                                       self.hist, np.int32(self.hist_cap), self.best))
+
+    def set_state(self, token: int, pos: int, count: int = 0) -> None:
+        k = _k("decode_fused.cu", "set_state")
+        k((1,), (32,), (self.state, np.int32(token), np.int32(pos), np.int32(count)))
+
+    def _check(self, token: int, pos: int) -> None:
+        if not 0 <= pos < self.max_tokens:
+            raise GGUFError(f"decode: position {pos} is outside the KV cache (size {self.max_tokens})")
+        if not 0 <= token < self.cfg.vocab_size:
+            raise GGUFError(f"decode: token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+
+    def capture(self) -> None:
+        """Record enqueue() into a CUDA graph (kernels must already be loaded: run one eager
+        step first, which `step` does)."""
+        t0 = time.perf_counter()
+        s = self.stream
+        with s:
+            s.begin_capture()
+            try:
+                self.enqueue()
+            finally:
+                g = s.end_capture()
+        g.upload(s)
+        s.synchronize()
+        self.graph = g
+        self.times.graph_build_ms = (time.perf_counter() - t0) * 1e3
+
+    def step(self, token: int, pos: int, use_graph: bool = True) -> None:
+        """Launch one step for `token` at `pos` (asynchronous; logits in self.logits, the argmax
+        in state[0] / hist). The first call runs eagerly (loads the kernels) and then captures."""
+        self._check(token, pos)
+        with self.stream:
+            self.set_state(token, pos)
+            t0 = time.perf_counter()
+            if use_graph and self.graph is not None:
+                self.graph.launch(self.stream)
+                self.times.host_us_graph.append((time.perf_counter() - t0) * 1e6)
+            else:
+                self.enqueue()
+                self.times.host_us_eager.append((time.perf_counter() - t0) * 1e6)
+        if use_graph and self.graph is None:
+            self.stream.synchronize()
+            self.capture()
+
+    def logits_host(self) -> np.ndarray:
+        out = self.logits.get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def chain(self, token: int, pos: int, n: int, use_graph: bool = True) -> np.ndarray:
+        """n steps with the token chained on the device (argmax -> next input): returns the n
+        emitted ids (host), after one synchronization. Needs a captured graph for use_graph."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int32)
+        self._check(token, pos)
+        if pos + n > self.max_tokens:
+            raise GGUFError(f"decode: {pos + n} tokens exceed the KV cache size {self.max_tokens}")
+        if n > self.hist_cap:
+            raise ValueError(f"chain: at most {self.hist_cap} steps per call")
+        if use_graph and self.graph is None:
+            self.step(token, pos)            # eager first step + capture
+            first = 1
+        else:
+            with self.stream:
+                self.set_state(token, pos)
+            first = 0
+        with self.stream:
+            for _ in range(first, n):
+                if use_graph:
+                    self.graph.launch(self.stream)
+                else:
+                    self.enqueue()
+        out = self.hist[:n].get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+
+# ----------------------------------------------------------------------------- a backend
+
+class DecodeModel:
+    """GPU backend on the decode path alone: prompts go through decode steps one token at a
+    time (the KV cache is filled by the same kernels); logits come back as numpy float32."""
+
+    device = "gpu"
+
+    def __init__(self, model_file, pad_q6k: bool = True, kv_dtype: str = "f16",
+                 rows_per_warp: int = DEFAULT_ROWS_PER_WARP, use_graph: bool = True, progress: bool = False,
+                 act_sum: str = ACT_SUM):
+        self.file = model_file
+        self.config = model_file.config
+        self.weights = DecodeWeights.upload(model_file, pad_q6k=pad_q6k, progress=progress)
+        self.resident_bytes = self.weights.resident_bytes
+        self.kv_dtype = kv_dtype
+        self.rows_per_warp = rows_per_warp
+        self.use_graph = use_graph
+        self.act_sum = act_sum
+
+    @classmethod
+    def from_path(cls, path, **kw) -> "DecodeModel":
+        from engine.weights import open_model
+
+        return cls(open_model(path), **kw)
+
+    def new_cache(self, max_tokens: int) -> DeviceKVCache:
+        return DeviceKVCache(self.config, max_tokens, self.kv_dtype)
+
+    def plan(self, cache: DeviceKVCache) -> DecodePlan:
+        if cache.plan is None:
+            cache.plan = DecodePlan.for_cache(self.weights, cache, rows_per_warp=self.rows_per_warp,
+                                              act_sum=self.act_sum)
+        return cache.plan
+
+    def forward(self, ids: Sequence[int], cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
+        ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+        if not ids:
+            raise GGUFError(f"{self.file.path}: forward needs at least one token")
+        if cache.length + len(ids) > cache.max_tokens:
+            raise GGUFError(f"{self.file.path}: {cache.length + len(ids)} tokens exceed the KV cache "
+                            f"size {cache.max_tokens}")
+        plan = self.plan(cache)
+        rows = []
+        for j, t in enumerate(ids):
+            plan.step(t, cache.length, use_graph=self.use_graph)
+            cache.length += 1
+            if all_logits or j == len(ids) - 1:
+                rows.append(plan.logits_host())
+        return np.stack(rows) if all_logits else rows[-1]
+
+    def greedy(self, prompt_ids: Sequence[int], n: int, cache: DeviceKVCache | None = None) -> list[int]:
+        """Greedy ids with the token chained on the device (only ids come back)."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        cache = cache or self.new_cache(len(prompt_ids) + n)
+        if len(prompt_ids) > 1:
+            self.forward(prompt_ids[:-1], cache)
+        plan = self.plan(cache)
+        out = plan.chain(prompt_ids[-1], cache.length, n, use_graph=self.use_graph)
+        cache.length += n
+        return [int(t) for t in out]
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+def _plan_for(model, cache):
+    if hasattr(model, "plan"):
+        return model.plan(cache)
+    return decode_plan(model, cache)
+
+
+def decode_plan(gpu_model, cache) -> DecodePlan:
+    """The DecodePlan of a cache of another backend (engine.gpu_model.GPUModel): it must expose
+    `decode_weights()` -> DecodeWeights and the cache `decode_kv()` -> (k_layers, v_layers,
+    tok_stride, head_stride, kv_dtype, max_tokens)."""
+    plan = getattr(cache, "plan", None)
+    if plan is None:
+        kl, vl, ts, hs, dt, mt = cache.decode_kv()
+        plan = DecodePlan(gpu_model.decode_weights(), kl, vl, ts, hs, dt, mt)
+        cache.plan = plan
+    return plan
+
+
+def bench_decode(model, n_gen: int = 128, depth: int = 0, reps: int = 5, use_graph: bool = True,
+                 seed: int = 0) -> list[float]:
+    """tg rows: tok/s of `n_gen` greedy steps after `depth` tokens of context, per rep (one
+    warm-up rep excluded), timed with CUDA events around back-to-back graph replays."""
+    cp = _cp()
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    cache = model.new_cache(depth + n_gen + 1)
+    if depth:
+        ids = rng.integers(0, cfg.vocab_size, depth).tolist()
+        model.forward(ids, cache)
+    plan = _plan_for(model, cache)
+    tok = int(rng.integers(0, cfg.vocab_size))
+    plan.chain(tok, depth, 2, use_graph=use_graph)      # load kernels, capture
+    out = []
+    for r in range(reps + 1):
+        s = plan.stream
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        with s:
+            plan.set_state(tok, depth)
+            e0.record(s)
+            for _ in range(n_gen):
+                if use_graph:
+                    plan.graph.launch(s)
+                else:
+                    plan.enqueue()
+            e1.record(s)
+        e1.synchronize()
+        ms = cp.cuda.get_elapsed_time(e0, e1)
+        if r:
+            out.append(n_gen / (ms / 1e3))
+    return out
+
+
+def host_overhead_us(model, n: int = 64) -> dict:
+    """Python-side cost of enqueueing one step: graph replay vs kernel-by-kernel (median us
+    over n steps each), the kernels a step launches and the graph build time."""
+    cache = model.new_cache(n + 4)
+    plan = _plan_for(model, cache)
+    plan.chain(1, 0, 2)                      # kernels loaded, graph captured
+    res = {}
+    for mode in ("graph", "eager"):
+        ts = []
+        with plan.stream:
+            plan.set_state(1, 0)             # positions 0..n-1 stay inside the cache
+            for i in range(n):
+                t0 = time.perf_counter()
+                if mode == "graph":
+                    plan.graph.launch(plan.stream)
+                else:
+                    plan.enqueue()
+                ts.append((time.perf_counter() - t0) * 1e6)
+                if i % 8 == 7:
+                    plan.stream.synchronize()     # keep the launch queue from filling
+            plan.stream.synchronize()
+        res[mode + "_us"] = float(np.median(ts))
+    res["kernels_per_step"] = count_launches(plan)
+    res["graph_build_ms"] = plan.times.graph_build_ms
+    return res
+
+
+def count_launches(plan: DecodePlan) -> int:
+    """Kernels one step launches (by counting RawKernel calls of enqueue())."""
+    n = [0]
+    orig = kernels.get_kernel
+
+    class Counting:
+        def __init__(self, k):
+            self.k = k
+
+        def __call__(self, *a, **kw):
+            n[0] += 1
+
+    def fake(fname, name, dynamic_smem=0):
+        return Counting(orig(fname, name, dynamic_smem))
+
+    kernels.get_kernel = fake
+    try:
+        plan.enqueue()
+    finally:
+        kernels.get_kernel = orig
+    return n[0]
+
+
+def main(argv=None) -> int:
+    """python -m engine.gpu_decode --model M [-n 128] [-d 0,3314] [-r 5] [--rows 1,2,4] [--json F]"""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m engine.gpu_decode")
+    p.add_argument("--model", required=True)
+    p.add_argument("-n", type=int, default=128)
+    p.add_argument("-d", default="0")
+    p.add_argument("-r", type=int, default=5)
+    p.add_argument("--rows", default=str(DEFAULT_ROWS_PER_WARP), help="MMVQ rows per warp variants")
+    p.add_argument("--raw-q6k", action="store_true", help="keep q6_K rows raw (210 B)")
+    p.add_argument("--kv", default="f16", choices=DK.KV_DTYPES)
+    p.add_argument("--eager", action="store_true", help="also time the step without the graph")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    import os
+
+    model = DecodeModel.from_path(a.model, pad_q6k=not a.raw_q6k, kv_dtype=a.kv, progress=True)
+    size = os.path.getsize(a.model)
+    rows = []
+    for R in [int(x) for x in a.rows.split(",")]:
+        model.rows_per_warp = R
+        for depth in [int(x) for x in a.d.split(",")]:
+            for graph in ((True, False) if a.eager else (True,)):
+                ts = bench_decode(model, a.n, depth, a.r if graph else max(1, a.r // 2), use_graph=graph)
+                rows.append({"test": f"tg{a.n}" + (f" @ d{depth}" if depth else ""), "rows_per_warp": R,
+                             "graph": graph, "tok_s": float(np.mean(ts)), "sd": float(np.std(ts)),
+                             "reps": ts, "q6k": "raw" if a.raw_q6k else "padded", "kv": a.kv})
+                r = rows[-1]
+                print(f"{r['test']:14s} R={R} graph={str(graph):5s} {r['tok_s']:9.1f} ± {r['sd']:.1f} tok/s",
+                      flush=True)
+    model.rows_per_warp = int(a.rows.split(",")[0])
+    ov = host_overhead_us(model)
+    print(f"host time per step: graph {ov['graph_us']:.1f} us, eager {ov['eager_us']:.1f} us "
+          f"({ov['kernels_per_step']} kernels), graph build {ov['graph_build_ms']:.1f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "size": size, "resident_bytes": model.resident_bytes,
+                       "rows": rows, "host": ov}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
