@@ -16,8 +16,16 @@ import numpy as np
 from engine import kernels
 from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
-# Tile variant per kernel family (engine.kernels.MMQ_CONFIGS); measured in docs/perf-log.md.
-DEFAULT_VARIANT = {"q4_k": "m64n128tc", "q6_k": "m128n128w8"}
+# Tile variant per kernel family and token count (engine.kernels.MMQ_CONFIGS); chosen from the
+# measurements in docs/perf-log.md: the 128-token tiles win from a few hundred tokens up, the
+# 64-token tiles waste less on short prompts.
+SMALL_T = 64
+DEFAULT_VARIANT = {"q4_k": "m128n128w8tc_k256", "q6_k": "m128n128w8_k256"}
+SMALL_T_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
+
+
+def choose_variant(kind: str, tokens: int) -> str:
+    return (SMALL_T_VARIANT if tokens <= SMALL_T else DEFAULT_VARIANT)[kind]
 
 
 class Q8Act(NamedTuple):
@@ -90,7 +98,7 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None):
     kind = weight.kind
     if weight.ggml_type not in (GGML_Q4_K, GGML_Q6_K):
         raise ValueError(f"mmq: unsupported weight type {weight.ggml_type}")
-    variant = variant or DEFAULT_VARIANT[kind]
+    variant = variant or choose_variant(kind, T)
     bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
     k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant), dynamic_smem=smem)

@@ -30,8 +30,9 @@ CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-executi
 # MMQ kernel configurations per family: name -> (MT, NT, WM, WN, MINB, KS, TC).
 # Warp tile (16 MT) tokens x (8 NT) rows, WM x WN warps, block tile BM = 16 MT WM tokens x
 # BN = 8 NT WN rows, __launch_bounds__ minimum blocks per SM = MINB, KS k per pipeline stage
-# (128 = half a super-block, 256 = one), TC (q4_K only): the min term per stage on TF32
-# tensor cores instead of one FFMA per output and block. Measured in docs/perf-log.md.
+# (128 = half a super-block, 256 = one), then for q4_K TC: the min term per stage on TF32
+# tensor cores instead of one FFMA per output and block; for q6_K UNR: the compute loop's
+# unroll over the stage's q8_1 blocks. Measured in docs/perf-log.md.
 MMQ_CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int, int, int]]] = {
     "q4_k": {
         "m64n128": (2, 4, 2, 4, 2, 128, 0),         # 8 warps of 32x32, 2 blocks/SM
@@ -40,10 +41,11 @@ MMQ_CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int, int, int]]] = {
         "m128n128w8tc": (4, 4, 2, 4, 1, 128, 1),    # 8 warps of 64x32, 1 block/SM
         "m128n128w8tc_k256": (4, 4, 2, 4, 1, 256, 1),
     },
-    "q6_k": {
-        "m64n128": (2, 4, 2, 4, 2, 128, 0),
-        "m128n128w8": (4, 4, 2, 4, 1, 128, 0),
-        "m128n128w8_k256": (4, 4, 2, 4, 1, 256, 0),
+    "q6_k": {   # last field: UNR, the compute loop's unroll over q8_1 blocks
+        "m64n128": (2, 4, 2, 4, 2, 128, 1),
+        "m128n128w8": (4, 4, 2, 4, 1, 128, 1),
+        "m128n128w8_k256": (4, 4, 2, 4, 1, 256, 1),
+        "m128n128w8_k256u2": (4, 4, 2, 4, 1, 256, 2),
     },
 }
 MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
@@ -66,11 +68,11 @@ def mmq_instance(kind: str, variant: str) -> str:
     mt, nt, wm, wn, minb, ks, tc = mmq_config(kind, variant)
     if kind == "q4_k":
         return f"mmq_q4_k<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}>"
-    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}>"
+    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}>"
 
 
 def mmq_uses_tc(kind: str, variant: str) -> bool:
-    return bool(mmq_config(kind, variant)[6])
+    return kind == "q4_k" and bool(mmq_config(kind, variant)[6])
 
 
 def mmq_tile(kind: str, variant: str) -> tuple[int, int, int]:
@@ -134,20 +136,22 @@ def source(fname: str) -> str:
 
 # ----------------------------------------------------------------------------- run time
 
-_modules: dict[tuple[int, str], object] = {}
+_modules: dict[tuple[int, str, str], object] = {}
 _kernels: dict[tuple[int, str, str], object] = {}
 
 
-def get_module(fname: str):
+def get_module(fname: str, instance: str | None = None):
+    """cupy.RawModule of kernels_cu/<fname> for the current device. With `instance` (a
+    template instance such as 'mmq_q4_k<...>') only that instance is compiled, so a process
+    compiles just the tile variants it launches; without it, every listed instance."""
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (dev, fname)
+    key = (dev, fname, instance or "")
     mod = _modules.get(key)
     if mod is None:
-        names = INSTANCES.get(fname)
-        mod = cupy.RawModule(code=source(fname), options=OPTIONS,
-                             name_expressions=list(names) if names else None)
+        names = [instance] if instance else list(INSTANCES.get(fname, ()))
+        mod = cupy.RawModule(code=source(fname), options=OPTIONS, name_expressions=names or None)
         mod.compile()
         _modules[key] = mod
     return mod
@@ -162,7 +166,8 @@ def get_kernel(fname: str, name: str, dynamic_smem: int = 0):
     key = (dev, fname, name)
     k = _kernels.get(key)
     if k is None:
-        k = get_module(fname).get_function(name)
+        mod = get_module(fname, name if "<" in name else None)
+        k = mod.get_function(name)
         _kernels[key] = k
     if dynamic_smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < dynamic_smem:
         k.max_dynamic_shared_size_bytes = dynamic_smem

@@ -40,7 +40,7 @@ struct Q6KLayout {
     static constexpr int SMEM = OFF_TAB + MMQ_NBUF * TAB_BYTES;
 };
 
-template <int MT, int NT, int WM, int WN, int MINB, int KS>
+template <int MT, int NT, int WM, int WN, int MINB, int KS, int UNR>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K, int bstride) {
@@ -175,8 +175,8 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         const u32 sB = sbase + L::OFF_B + bs * L::B_BYTES;
         const float* tab = reinterpret_cast<const float*>(smem + L::OFF_TAB + bs * L::TAB_BYTES);
 
-#pragma unroll 1
-        for (int c = 0; c < NC; ++c) {
+#pragma unroll UNR
+        for (int c = 0; c < NC; ++c) {          // UNR: blocks per loop body (1 or 2)
             // A fragments and d8 of every m-tile first, then one n-tile pair at a time (keeps
             // the live B fragments and scales to one pair: no spills at 128 registers)
             u32 a[MT][4];

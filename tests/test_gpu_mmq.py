@@ -213,3 +213,23 @@ def test_linear_matches_two_steps(cp, rng):
     y1 = cp.asnumpy(gpu_ops.linear(w, x))
     y2 = cp.asnumpy(gpu_ops.mmq(w, gpu_ops.quantize_q8_1(x)))
     assert np.array_equal(y1.view(np.uint32), y2.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("T", [64, 65])
+def test_default_variant_dispatch(cp, rng, kind, T):
+    """gpu_ops.mmq without a variant (the production path) on both sides of SMALL_T."""
+    from engine import gpu_ops
+    from engine.gpu_weights import upload_weight
+
+    N, K = 136, 512
+    w = rand_rows(rng, kind, N, K)
+    x = rand_act(rng, T, K)
+    q, d, s = Q.quantize_q8_1(x)
+    wd = upload_weight(w, kind.upper())
+    y = cp.full((T, N), np.nan, dtype=cp.float32)
+    gpu_ops.mmq(wd, gpu_ops.quantize_q8_1(cp.asarray(x)), out=y)
+    ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
+    variant = gpu_ops.choose_variant(kind, T)
+    _check_gemm(kind, variant, T, N, K, cp.asnumpy(y), ref, abs_terms(kind, w, q, d, s),
+                "padded" if kind == "q6_k" else "raw")
