@@ -36,6 +36,10 @@ SHAPES_7B = [
 ]
 
 
+# token sweep of the production variants (gpu_ops.choose_variant) on the two largest shapes
+SHAPES_SWEEP = [("q4_k", 11008, 4096), ("q6_k", 4096, 11008)]
+
+
 def random_blocks(rng, kind: str, n_rows: int, K: int, special: bool = True) -> np.ndarray:
     """Random valid q4_K / q6_K rows uint8 [n_rows, K/256*bytes]: random bytes with the f16
     scale fields set to finite values in (-0.05, 0.05) (a few tiny / zero ones if special)."""
@@ -163,7 +167,9 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             ds_h = cp.asnumpy(act.ds)
             d_h, s_h = ds_h[..., 0], ds_h[..., 1]
             ref = S = S_min = None
-            for v in (variants or kernels.mmq_variants(kind)):
+            vlist = ([gpu_ops.choose_variant(kind, T)] if variants == ["default"]
+                     else (variants or kernels.mmq_variants(kind)))
+            for v in vlist:
                 if v not in kernels.mmq_variants(kind):
                     continue
                 y = cp.empty((T, N), dtype=cp.float32)
@@ -213,12 +219,15 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,3314")
-    ap.add_argument("--variants", default="all")
+    ap.add_argument("--variants", default="all",
+                    help="all | default (gpu_ops.choose_variant per T) | NAME,NAME")
+    ap.add_argument("--shapes", default="7b", help="7b (SHAPES_7B) | sweep (SHAPES_SWEEP)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     variants = None if a.variants == "all" else a.variants.split(",")
+    shapes = SHAPES_7B if a.shapes == "7b" else SHAPES_SWEEP
     import cupy as cp
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -235,7 +244,7 @@ def main(argv=None) -> int:
             print(f"# {kind} {v:11s} {kernels.mmq_instance(kind, v):26s} regs {k.num_regs} "
                   f"local {k.local_size_bytes} B smem {kernels.mmq_smem_bytes(kind, v)} B")
     print(HEADER, flush=True)
-    rows = run(tokens=tokens, variants=variants, reps=a.reps,
+    rows = run(tokens=tokens, variants=variants, reps=a.reps, shapes=shapes,
                log=lambda s: print(s, flush=True))
     if a.json:
         with open(a.json, "w") as f:

@@ -45,7 +45,10 @@ step_tests() {
 
 step_bench() {
   python3 -m engine.gemm_bench --json "$OUT/gemm_bench.json" 2>&1 | tee "$OUT/gemm_bench.log"
-  return "${PIPESTATUS[0]}"
+  local rc="${PIPESTATUS[0]}"
+  python3 -m engine.gemm_bench --shapes sweep --variants default --tokens 1,64,65,256,1024,2048,8192 \
+      --reps 10 --json "$OUT/gemm_sweep.json" 2>&1 | tee -a "$OUT/gemm_bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] && return "$rc" || return 1
 }
 
 # Nsight Compute stall profile of the MMQ kernels (NCU_ARGS: T N K VARIANT for ncu_mmq.py).

@@ -43,6 +43,11 @@ def main(out: str) -> int:
         from engine.gemm_bench import table
         print("\n# GEMM microbenchmark (median ms; ratio = cuBLAS f16 ms / MMQ ms, same run)")
         print(table(json.load(open(bj))))
+    sw = os.path.join(out, "gemm_sweep.json")
+    if os.path.exists(sw):
+        from engine.gemm_bench import table
+        print("\n# production variants across token counts")
+        print(table(json.load(open(sw))))
     return 0
 
 
