@@ -4,7 +4,7 @@
 # synthetic llama2-7b q4_K_M generated on the device, and a short summary last.
 #
 #   device: run(command="bash scripts/prefill_check.sh", carry=[".whl", ".gpu_data"])
-#   PREFILL_STEPS="kernels model bench" (default) selects sections.
+#   PREFILL_STEPS="kernels mmq model bench" (default) selects sections.
 #   BENCH_ARGS (default "-p 512,3314 -r 5 --breakdown") are passed to the bench verb.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,13 @@ step_kernels() {
   return "${PIPESTATUS[0]}"
 }
 
+# The MMQ GEMMs exactly as the forward dispatches them (engine.gpu_ops default variants).
+step_mmq() {
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_mmq.py -k "dispatch" 2>&1 \
+      | tee "$OUT/pytest_mmq.log" | tail -5
+  return "${PIPESTATUS[0]}"
+}
+
 step_model() {
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s tests/test_gpu_model.py \
       -k "forward or resident" 2>&1 | tee "$OUT/pytest_model.log" | grep -v '^{' | tail -25
@@ -45,7 +52,7 @@ step_bench() {
   return $rc
 }
 
-for s in ${PREFILL_STEPS:-kernels model bench}; do
+for s in ${PREFILL_STEPS:-kernels mmq model bench}; do
   section "$s"
   "step_$s" || { echo "!! step $s failed (rc $?)"; STATUS=1; }
 done
