@@ -167,7 +167,7 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             ds_h = cp.asnumpy(act.ds)
             d_h, s_h = ds_h[..., 0], ds_h[..., 1]
             ref = S = S_min = None
-            vlist = ([gpu_ops.choose_variant(kind, T)] if variants == ["default"]
+            vlist = ([gpu_ops.choose_variant(kind, T, N)] if variants == ["default"]
                      else (variants or kernels.mmq_variants(kind)))
             for v in vlist:
                 if v not in kernels.mmq_variants(kind):

@@ -16,16 +16,29 @@ import numpy as np
 from engine import kernels
 from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
-# Tile variant per kernel family and token count (engine.kernels.MMQ_CONFIGS); chosen from the
-# measurements in docs/perf-log.md: the 128-token tiles win from a few hundred tokens up, the
-# 64-token tiles waste less on short prompts.
-SMALL_T = 64
+# Tile variant per kernel family (engine.kernels.MMQ_CONFIGS), chosen from the measurements in
+# docs/perf-log.md: the 128x128 tiles (8 warps of 64x32, KS 256) are fastest once the grid
+# fills the GPU; while the 64-token grid still fits on the SMs (one block each), a lone
+# 64x128 block finishes ~1.5x sooner than a lone 128x128 one, so short prompts use it.
 DEFAULT_VARIANT = {"q4_k": "m128n128w8tc_k256", "q6_k": "m128n128w8_k256"}
-SMALL_T_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
+SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
+_SM_COUNT: dict[int, int] = {}
 
 
-def choose_variant(kind: str, tokens: int) -> str:
-    return (SMALL_T_VARIANT if tokens <= SMALL_T else DEFAULT_VARIANT)[kind]
+def _sm_count() -> int:
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return _SM_COUNT[dev]
+
+
+def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = None) -> str:
+    """Production tile variant for a [tokens x rows] MMQ output."""
+    sms = sm_count if sm_count is not None else _sm_count()
+    small_blocks = -(-tokens // 64) * -(-rows // 128)
+    return (SMALL_VARIANT if small_blocks <= sms else DEFAULT_VARIANT)[kind]
 
 
 class Q8Act(NamedTuple):
@@ -98,7 +111,7 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None):
     kind = weight.kind
     if weight.ggml_type not in (GGML_Q4_K, GGML_Q6_K):
         raise ValueError(f"mmq: unsupported weight type {weight.ggml_type}")
-    variant = variant or choose_variant(kind, T)
+    variant = variant or choose_variant(kind, T, N)
     bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
     k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant), dynamic_smem=smem)

@@ -216,9 +216,9 @@ def test_linear_matches_two_steps(cp, rng):
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
-@pytest.mark.parametrize("T", [64, 65])
+@pytest.mark.parametrize("T", [64, 8500])
 def test_default_variant_dispatch(cp, rng, kind, T):
-    """gpu_ops.mmq without a variant (the production path) on both sides of SMALL_T."""
+    """gpu_ops.mmq without a variant (the production path), small and large grid."""
     from engine import gpu_ops
     from engine.gpu_weights import upload_weight
 
@@ -230,6 +230,6 @@ def test_default_variant_dispatch(cp, rng, kind, T):
     y = cp.full((T, N), np.nan, dtype=cp.float32)
     gpu_ops.mmq(wd, gpu_ops.quantize_q8_1(cp.asarray(x)), out=y)
     ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
-    variant = gpu_ops.choose_variant(kind, T)
+    variant = gpu_ops.choose_variant(kind, T, N)
     _check_gemm(kind, variant, T, N, K, cp.asnumpy(y), ref, abs_terms(kind, w, q, d, s),
                 "padded" if kind == "q6_k" else "raw")

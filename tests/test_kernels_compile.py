@@ -56,3 +56,15 @@ def test_smem_fits_sm90():
     for kind in ("q4_k", "q6_k"):
         for v in kernels.mmq_variants(kind):
             assert kernels.mmq_smem_bytes(kind, v) <= 227 * 1024, (kind, v)
+
+
+def test_choose_variant_rule():
+    from engine import gpu_ops
+    # 64-token grid fits on the SMs -> the 64x128 tile; otherwise the 128x128 one
+    assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
+    assert gpu_ops.choose_variant("q6_k", 512, 4096, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q6_k"]
+    assert gpu_ops.choose_variant("q4_k", 64, 11008, sm_count=132) == gpu_ops.SMALL_VARIANT["q4_k"]
+    assert gpu_ops.choose_variant("q4_k", 3314, 11008, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q4_k"]
+    for kind in ("q4_k", "q6_k"):
+        for v in (gpu_ops.SMALL_VARIANT[kind], gpu_ops.DEFAULT_VARIANT[kind]):
+            assert v in kernels.mmq_variants(kind)
