@@ -4,7 +4,7 @@
 #
 #   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"])
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
-#   STEPS="tests bench" (default) selects sections; add a section by writing a function
+#   STEPS="tests bench" (default) selects sections (also: sweep, ncu); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -46,9 +46,15 @@ step_tests() {
 step_bench() {
   python3 -m engine.gemm_bench --json "$OUT/gemm_bench.json" 2>&1 | tee "$OUT/gemm_bench.log"
   local rc="${PIPESTATUS[0]}"
-  python3 -m engine.gemm_bench --shapes sweep --variants default --tokens 1,64,65,256,1024,2048,8192 \
+  step_sweep || rc=1
+  return "$rc"
+}
+
+# the production variant choice (gpu_ops.choose_variant) across token counts
+step_sweep() {
+  python3 -m engine.gemm_bench --shapes sweep --variants default --tokens 1,64,65,256,512,1024,3314,8192 \
       --reps 10 --json "$OUT/gemm_sweep.json" 2>&1 | tee -a "$OUT/gemm_bench.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] && return "$rc" || return 1
+  return "${PIPESTATUS[0]}"
 }
 
 # Nsight Compute stall profile of the MMQ kernels (NCU_ARGS: T N K VARIANT for ncu_mmq.py).
