@@ -296,6 +296,8 @@ def main(args) -> int:
     model = load_model(path, device=device, progress=True)
     if args.breakdown and getattr(model, "device", "cpu") != "gpu":
         raise UsageError("--breakdown needs the GPU backend (CUDA events around every launch)")
+    if gens and getattr(model, "device", "cpu") != "gpu":
+        raise UsageError("tg rows (-n) need the GPU decode path (--device gpu)")
     rows: list[Row] = []
     breakdowns: list[Breakdown] = []
     for d in depths:

@@ -1,0 +1,98 @@
+"""`gguf-prefill bench`: argument handling, rows, JSON and breakdown formatting (CPU), and the
+GPU timings' sanity where a GPU is present."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import bench
+from engine.cli import main as cli_main
+from engine.errors import UsageError
+
+
+def test_parse_int_list():
+    assert bench.parse_int_list("512,3314", "-p") == [512, 3314]
+    assert bench.parse_int_list(" 1, 2 ,", "-p") == [1, 2]
+    with pytest.raises(UsageError):
+        bench.parse_int_list("x", "-p")
+    with pytest.raises(UsageError):
+        bench.parse_int_list("", "-p")
+    with pytest.raises(UsageError):
+        bench.parse_int_list("-5", "-d")
+
+
+def test_model_info(tiny_model_path):
+    info = bench.model_info(tiny_model_path)
+    assert info.label.startswith("llama ") and info.label.endswith("Q4_K_M")
+    assert info.n_params > 1_000_000 and info.size_bytes > 1_000_000
+    assert info.size_str.endswith("MiB") and info.params_str.endswith("M")
+
+
+def test_cpu_rows_table(tiny_model_path, capsys):
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", "-p", "8,16", "-r", "2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert lines[0].split("|")[1].strip() == "model"
+    assert any("pp8" in ln for ln in lines) and any("pp16" in ln for ln in lines)
+    assert "±" in out
+
+
+def test_cpu_json_and_depth(tiny_model_path, capsys):
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", "-p", "8", "-d", "0,4",
+                   "-r", "3", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in d["rows"]] == ["pp8", "pp8 @ d4"]
+    for r in d["rows"]:
+        assert len(r["samples_ts"]) == 3 and r["avg_ts"] > 0 and r["median_ts"] > 0
+        assert r["stddev_ts"] >= 0 and r["n_prompt"] == 8
+    assert d["model_n_params"] > 0 and d["backend"].startswith("CPU")
+
+
+@pytest.mark.parametrize("argv", [
+    ["-p", "8", "--breakdown"],          # breakdown needs the GPU backend
+    ["-p", "8", "-r", "0"],
+    ["-p", "0", "-n", "0"],              # nothing to run
+    ["-p", "8,y"],
+    ["-p", "8", "-n", "4"],              # tg rows need the GPU decode path
+])
+def test_usage_errors_exit_2(tiny_model_path, argv, capsys):
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gguf-prefill bench: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_breakdown_format_and_categories():
+    b = bench.Breakdown("pp512", total_ms=10.0, plain_ms=9.5,
+                        ops={"gemm_q4_k": 6.0, "gemm_q6_k": 1.5, "gemm_output_q6_k": 0.1, "attention": 1.0,
+                             "rmsnorm_q8": 0.5, "swiglu_q8": 0.3, "rope_kv": 0.2, "embed": 0.05},
+                        launches={"gemm_q4_k": 112})
+    cats = b.categories()
+    assert cats["q4_K GEMMs"] == 6.0 and cats["q6_K GEMMs"] == pytest.approx(1.6)
+    assert cats["norms/rope/rest"] == pytest.approx(0.25)
+    assert cats["unattributed (gaps between launches)"] == pytest.approx(10.0 - 9.65)
+    assert sum(cats.values()) == pytest.approx(10.0)
+    text = bench.format_breakdown(b)
+    assert "gemm_q4_k" in text and "112" in text and "attention" in text and "%" in text
+
+
+def test_row_statistics():
+    r = bench.Row("pp4", 4, 0, 0, [100.0, 110.0, 90.0], [40.0, 36.4, 44.4], "x")
+    assert r.mean == pytest.approx(100.0) and r.median == 100.0 and r.sd == pytest.approx(10.0)
+    assert bench.Row("pp4", 4, 0, 0, [5.0], [1.0], "x").sd == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_bench_rows_and_breakdown(tiny_model_path, capsys):
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "gpu", "-p", "64", "-r", "3",
+                   "--breakdown", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    (row,) = d["rows"]
+    assert row["backend"].startswith("CUDA") and all(t > 0 for t in row["samples_ts"])
+    (b,) = d["breakdown"]
+    assert b["launches"]["attention"] == 4 and b["launches"]["embed"] == 1
+    assert 0 < sum(b["ops"].values()) <= b["total_ms"] * 1.01
