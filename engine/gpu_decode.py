@@ -432,6 +432,7 @@ class DecodePlan:
         """Launch one step for `token` at `pos` (asynchronous; logits in self.logits, the argmax
         in state[0] / hist). The first call runs eagerly (loads the kernels) and then captures."""
         self._check(token, pos)
+        self._after_legacy_stream()
         with self.stream:
             self.set_state(token, pos)
             t0 = time.perf_counter()
@@ -444,6 +445,12 @@ class DecodePlan:
         if use_graph and self.graph is None:
             self.stream.synchronize()
             self.capture()
+
+    def _after_legacy_stream(self) -> None:
+        """Order this step after work queued on the legacy default stream (a prefill, uploads):
+        the plan's stream is non-blocking, so it does not wait for it by itself."""
+        cp = _cp()
+        self.stream.wait_event(cp.cuda.Stream.null.record())
 
     def logits_host(self) -> np.ndarray:
         out = self.logits.get(stream=self.stream)
@@ -464,6 +471,7 @@ class DecodePlan:
             self.step(token, pos)            # eager first step + capture
             first = 1
         else:
+            self._after_legacy_stream()
             with self.stream:
                 self.set_state(token, pos)
             first = 0
@@ -561,6 +569,16 @@ def decode_plan(gpu_model, cache) -> DecodePlan:
     return plan
 
 
+def decode_step(model, ids, cache) -> np.ndarray:
+    """One token through the decode graph for another backend (GPUModel.forward's hook):
+    logits [vocab] as numpy float32; cache.length advances by one."""
+    ids = model.check_ids(ids, cache)
+    plan = decode_plan(model, cache)
+    plan.step(int(ids[0]), cache.length)
+    cache.length += 1
+    return plan.logits_host()
+
+
 def bench_decode(model, n_gen: int = 128, depth: int = 0, reps: int = 5, use_graph: bool = True,
                  seed: int = 0) -> list[float]:
     """tg rows: tok/s of `n_gen` greedy steps after `depth` tokens of context, per rep (one
@@ -645,10 +663,65 @@ def count_launches(plan: DecodePlan) -> int:
     return n[0]
 
 
+def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PER_WARP, iters: int = 50) -> list:
+    """Each GEMV of one decode step, alone: (what, N, K, weight bytes, us, GB/s); median of
+    `iters` timed launches after a warm-up. The layer-0 (and, if different, the last layer's)
+    matrices and the output matrix."""
+    cp = _cp()
+    from engine.gpu_ops import Q8Act
+
+    cfg = weights.config
+    out = []
+
+    def act(K):
+        x = cp.asarray(np.random.default_rng(0).integers(-127, 128, K).astype(np.int8))
+        ds = cp.asarray(np.tile(np.array([[0.01, 0.0]], np.float32), (K // 32, 1)))
+        return Q8Act(x, ds)
+
+    def time_it(what, ws, mode):
+        K = int(ws[0].cols)
+        a = act(K)
+        n_out = int(ws[0].rows)
+        ys = [cp.zeros(int(w.rows), dtype=np.float32) for w in ws] if mode == "store" else \
+            [cp.zeros(n_out, dtype=np.float32)]
+        for _ in range(3):
+            mmvq_launch(ws, ys, a.q, a.ds, mode, rows_per_warp)
+        ts = []
+        for _ in range(iters):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            mmvq_launch(ws, ys, a.q, a.ds, mode, rows_per_warp)
+            e1.record()
+            e1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+        us = float(np.median(ts))
+        nbytes = sum(int(w.data.nbytes) for w in ws)
+        out.append({"what": what, "N": sum(int(w.rows) for w in ws), "K": K, "bytes": nbytes, "us": us,
+                    "GB_s": nbytes / us / 1e3, "rows_per_warp": rows_per_warp})
+
+    layers = [0] if cfg.n_layers == 1 else [0, 4 if cfg.n_layers > 4 else cfg.n_layers - 1]
+    for i in layers:
+        L = weights.layers[i]
+        tag = f"L{i} "
+        if DecodePlan._same_launch(L.attn_q, L.attn_v):
+            time_it(tag + f"qkv {L.attn_q.kind}", [L.attn_q, L.attn_k, L.attn_v], "store")
+        else:
+            time_it(tag + f"qk {L.attn_q.kind}", [L.attn_q, L.attn_k], "store")
+            time_it(tag + f"v {L.attn_v.kind}", [L.attn_v], "store")
+        time_it(tag + f"o {L.attn_output.kind}", [L.attn_output], "add")
+        time_it(tag + f"gate+up swiglu {L.ffn_gate.kind}", [L.ffn_gate, L.ffn_up], "swiglu")
+        time_it(tag + f"down {L.ffn_down.kind}{'' if L.ffn_down.kind == 'q4_k' else (' pad' if L.ffn_down.padded else ' raw')}",
+                [L.ffn_down], "add")
+    o = weights.output
+    time_it(f"output {o.kind}{'' if o.kind == 'q4_k' else (' pad' if o.padded else ' raw')}", [o], "store")
+    return out
+
+
 def main(argv=None) -> int:
     """python -m engine.gpu_decode --model M [-n 128] [-d 0,3314] [-r 5] [--rows 1,2,4] [--json F]"""
     import argparse
     import json
+    import os
 
     p = argparse.ArgumentParser(prog="python -m engine.gpu_decode")
     p.add_argument("--model", required=True)
@@ -658,33 +731,53 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=str(DEFAULT_ROWS_PER_WARP), help="MMVQ rows per warp variants")
     p.add_argument("--raw-q6k", action="store_true", help="keep q6_K rows raw (210 B)")
     p.add_argument("--kv", default="f16", choices=DK.KV_DTYPES)
-    p.add_argument("--eager", action="store_true", help="also time the step without the graph")
+    p.add_argument("--eager", action="store_true", help="also time tg at depth 0 without the graph")
+    p.add_argument("--kernels", action="store_true", help="GEMV microbenchmark per matrix")
     p.add_argument("--json")
     a = p.parse_args(argv)
-    import os
+    res = {"model": a.model, "size": os.path.getsize(a.model), "rows": [], "kernels": []}
+
+    def dump():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
 
     model = DecodeModel.from_path(a.model, pad_q6k=not a.raw_q6k, kv_dtype=a.kv, progress=True)
-    size = os.path.getsize(a.model)
-    rows = []
-    for R in [int(x) for x in a.rows.split(",")]:
+    res["resident_bytes"] = model.resident_bytes
+    variants = [int(x) for x in a.rows.split(",")]
+    depths = [int(x) for x in a.d.split(",")]
+
+    def row(R, depth, graph):
         model.rows_per_warp = R
-        for depth in [int(x) for x in a.d.split(",")]:
-            for graph in ((True, False) if a.eager else (True,)):
-                ts = bench_decode(model, a.n, depth, a.r if graph else max(1, a.r // 2), use_graph=graph)
-                rows.append({"test": f"tg{a.n}" + (f" @ d{depth}" if depth else ""), "rows_per_warp": R,
-                             "graph": graph, "tok_s": float(np.mean(ts)), "sd": float(np.std(ts)),
-                             "reps": ts, "q6k": "raw" if a.raw_q6k else "padded", "kv": a.kv})
-                r = rows[-1]
-                print(f"{r['test']:14s} R={R} graph={str(graph):5s} {r['tok_s']:9.1f} ± {r['sd']:.1f} tok/s",
-                      flush=True)
-    model.rows_per_warp = int(a.rows.split(",")[0])
-    ov = host_overhead_us(model)
-    print(f"host time per step: graph {ov['graph_us']:.1f} us, eager {ov['eager_us']:.1f} us "
-          f"({ov['kernels_per_step']} kernels), graph build {ov['graph_build_ms']:.1f} ms")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"model": a.model, "size": size, "resident_bytes": model.resident_bytes,
-                       "rows": rows, "host": ov}, f, indent=1)
+        ts = bench_decode(model, a.n, depth, a.r if graph else 2, use_graph=graph)
+        r = {"test": f"tg{a.n}" + (f" @ d{depth}" if depth else ""), "rows_per_warp": R, "graph": graph,
+             "tok_s": float(np.mean(ts)), "sd": float(np.std(ts, ddof=1)) if len(ts) > 1 else 0.0,
+             "reps": ts, "q6k": "raw" if a.raw_q6k else "padded", "kv": a.kv}
+        res["rows"].append(r)
+        print(f"{r['test']:14s} R={R} graph={str(graph):5s} {r['tok_s']:9.1f} ± {r['sd']:.1f} tok/s", flush=True)
+        dump()
+
+    for R in variants:
+        row(R, depths[0], True)
+    best = max(res["rows"], key=lambda r: r["tok_s"])["rows_per_warp"]
+    res["best_rows_per_warp"] = best
+    for depth in depths[1:]:
+        row(best, depth, True)
+    if a.eager:
+        row(best, depths[0], False)
+    model.rows_per_warp = best
+    res["host"] = host_overhead_us(model)
+    h = res["host"]
+    print(f"host time per step: graph {h['graph_us']:.1f} us, eager {h['eager_us']:.1f} us "
+          f"({h['kernels_per_step']} kernels), graph build {h['graph_build_ms']:.1f} ms", flush=True)
+    dump()
+    if a.kernels:
+        for R in variants:
+            for k in mmvq_microbench(model.weights, R):
+                res["kernels"].append(k)
+                print(f"  R={R} {k['what']:28s} {k['N']:6d}x{k['K']:<6d} {k['bytes'] / 2**20:8.1f} MiB "
+                      f"{k['us']:8.1f} us {k['GB_s']:7.0f} GB/s", flush=True)
+        dump()
     return 0
 
 

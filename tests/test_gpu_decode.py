@@ -530,3 +530,32 @@ def test_greedy32_goldens_on_gpu(cp, which, tiny_path):
         if r.compared and len(c["tokens"]) == 32:
             got = model.greedy(c["prompt_ids"], r.compared)
             assert got == c["tokens"][:r.compared]
+
+
+@pytest.mark.parametrize("which", ["tiny", "slice"])
+def test_gpu_model_prefill_then_decode_graph(cp, which, tiny_path):
+    """GPUModel (engine.gpu_model): the prompt by its prefill kernels, every single-token step
+    by the decode graph over its KV cache (layout [L, KVH, T, hd]); same goldens and rule."""
+    from engine import greedy32
+
+    gm = pytest.importorskip("engine.gpu_model")
+    cases = _golden_cases(which)
+    if which == "slice":
+        if not SLICE.exists():
+            pytest.skip(f"{SLICE} missing")
+        path = str(SLICE)
+    else:
+        path = tiny_path
+    if EMU:
+        cases = [c for c in cases if len(c["prompt_ids"]) < 200]
+    model = gm.GPUModel.from_path(path)
+    eog = _eog(path)
+    rows = greedy32.run(model, cases, eog, min_margin=MIN_MARGIN)
+    print(greedy32.format_rows(rows))
+    tf = [_teacher_forced_decode(model, c, MIN_MARGIN) for c in cases]
+    for c, r, (comp, mat) in zip(cases, rows, tf):
+        _report(test="decode_greedy32_gpu_model", model=which, prompt_len=len(c["prompt_ids"]),
+                compared=r.compared, matched=r.matched, ok=r.ok, teacher_compared=comp, teacher_matched=mat,
+                golden_tokens=len(c["tokens"]))
+    assert all(r.ok for r in rows), greedy32.format_rows(rows)
+    assert all(comp == mat for comp, mat in tf), tf

@@ -107,6 +107,14 @@ class Stream:
     def synchronize(self):
         pass
 
+    def record(self, event=None):
+        e = event or Event()
+        e.record(self)
+        return e
+
+    def wait_event(self, event):
+        pass
+
     @staticmethod
     def current():
         return Stream._current[-1] if Stream._current else None
@@ -121,6 +129,9 @@ class Event:
 
     def synchronize(self):
         pass
+
+
+Stream.null = Stream(null=True)
 
 
 def get_elapsed_time(e0, e1):
