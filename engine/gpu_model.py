@@ -168,6 +168,7 @@ class GPUModel:
     """The GPU backend (see the module docstring)."""
 
     device = "gpu"
+    decode_graph = True       # single-token forwards go through engine.gpu_decode's graph
 
     def __init__(self, model: ModelFile, progress: bool = False, ubatch: int = DEFAULT_UBATCH,
                  pad_q6k: bool = True):
@@ -275,6 +276,10 @@ class GPUModel:
         return ids
 
     def forward(self, ids: Sequence[int], cache: GPUKVCache, all_logits: bool = False) -> np.ndarray:
+        if len(ids) == 1 and not all_logits and self.decode_graph:   # a decode step: CUDA graph
+            from engine.gpu_decode import decode_step
+
+            return decode_step(self, ids, cache)
         out = self.forward_device(ids, cache, all_logits)
         return _cp().asnumpy(out)
 
