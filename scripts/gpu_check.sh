@@ -77,6 +77,11 @@ step_prefill() {
   bash scripts/prefill_check.sh
 }
 
+# GPU decode (issue 7): decode tests, tg128 bench, bench verb tg rows (carry .gpu_data).
+step_decode() {
+  bash scripts/decode_check.sh
+}
+
 for s in env $STEPS; do
   section "$s"
   "step_$s" || { echo "!! step $s failed (rc $?)"; STATUS=1; }
