@@ -22,22 +22,26 @@ if [ ! -f "$M7" ]; then   # 15-30 s of CPU, overlapped with the tests
   SYNTH=$!
 fi
 case " $STEPS " in *" tests "*)
-  echo "--- decode tests"
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_decode.py 2>&1 \
-    | tee "$OUT/decode_tests.log" | grep -vE "^\s*$" | tail -40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+  # two processes: a sticky CUDA error in the kernel checks cannot spoil the model checks
+  for sel in "mmvq or attention or argmax or embed or rmsnorm or quantize_row or qkv_post" \
+             "logits or greedy32 or gpu_model"; do
+    echo "--- decode tests: $sel"
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_decode.py -k "$sel" 2>&1 \
+      | tee -a "$OUT/decode_tests.log" | grep -vE "^\s*$" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  done ;;
 esac
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { echo "synth failed"; cat "$OUT/decode_synth.log"; rc=1; }; }
 case " $STEPS " in *" bench "*)
   echo "--- tg128 (engine.gpu_decode, standalone weights)"
-  timeout 240 python3 -m engine.gpu_decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
+  timeout 170 python3 -m engine.gpu_decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
     --rows "${DECODE_ROWS:-1,2,4}" --eager --kernels --json "$OUT/decode_bench.json" 2>&1 \
     | tee "$OUT/decode_bench.log" | grep -v "decode weights: layer"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
 esac
 case " $STEPS " in *" cli "*)
   echo "--- gguf-prefill bench (GPUModel prefill + decode graph)"
-  timeout 150 python3 -m engine bench --model "$M7" -p 512 -n 128 -d 0,3314 -r 3 --device gpu 2>&1 \
+  timeout 100 python3 -m engine bench --model "$M7" -p 512 -n 128 -d 0,3314 -r 3 --device gpu 2>&1 \
     | tee "$OUT/decode_cli_bench.log" | grep -v "loading"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
 esac

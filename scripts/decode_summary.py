@@ -24,7 +24,7 @@ def main(out: str) -> int:
     log = os.path.join(out, "decode_tests.log")
     if os.path.exists(log):
         tail = [ln.strip() for ln in open(log) if re.search(r"\d+ (passed|failed|error)", ln)]
-        print("tests:", tail[-1] if tail else "no pytest summary line")
+        print("tests:", " | ".join(tail) if tail else "no pytest summary line")
     if "decode_mmvq" in by:
         rs = by["decode_mmvq"]
         print(f"MMVQ vs oracle: {len(rs)} layout/R/mode combos passed, worst |err|/bound "

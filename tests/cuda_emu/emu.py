@@ -232,6 +232,9 @@ class EmuKernel:
         self.fname, self.name = fname, name
         self.max_dynamic_shared_size_bytes = 1 << 30
         fb = FALLBACKS.get((fname, name))
+        for (f, prefix), pfb in PREFIX_FALLBACKS.items():
+            if fb is None and f == fname and name.startswith(prefix):
+                fb = pfb
         if fb is not None:
             self.fallback = fb
         else:
@@ -269,7 +272,28 @@ def _fb_quantize_q8_1(grid, block, args):
     dsv[: n // 32, 1] = s.reshape(-1)
 
 
+def _fb_mmq(kind):
+    """MMQ GEMMs (template kernels with tensor-core PTX) through the numpy oracle."""
+    def run(grid, block, args):
+        from engine import quants as Q
+
+        w, aq, ads, y, T, N, K = args[:7]
+        T, N, K = int(T), int(N), int(K)
+        bs = int(args[7]) if kind == "q6_k" else Q.Q4_K_BYTES
+        nb = K // Q.QK_K
+        wr = np.asarray(w).reshape(-1)[: N * nb * bs].reshape(N, nb * bs)
+        q = np.asarray(aq).reshape(-1)[: T * K].reshape(T, K)
+        ds = np.asarray(ads).reshape(-1)[: T * K // 16].reshape(T, K // 32, 2)
+        if kind == "q4_k":
+            r = Q.mmq_reference_q4_k(wr, q, ds[..., 0], ds[..., 1])
+        else:
+            r = Q.mmq_reference_q6_k(wr, q, ds[..., 0], ds[..., 1], padded=bs == Q.Q6_K_PADDED_BYTES)
+        np.asarray(y).reshape(-1)[: T * N] = r.astype(np.float32).reshape(-1)
+    return run
+
+
 FALLBACKS = {("quantize_q8_1.cu", "quantize_q8_1"): _fb_quantize_q8_1}
+PREFIX_FALLBACKS = {("mmq_q4_k.cu", "mmq_q4_k<"): _fb_mmq("q4_k"), ("mmq_q6_k.cu", "mmq_q6_k<"): _fb_mmq("q6_k")}
 
 _kcache: dict = {}
 
