@@ -51,7 +51,11 @@ MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
 # reference's logits on a real-weight slice (decode_fused.cu header).
 ACT_SUM = "q"
 ATT_TK = 64               # keys per attention tile (attention_decode.cu)
+NORM_MAX = 8192           # MMVQ addnorm: longest vector its last block normalizes
 DEFAULT_ROWS_PER_WARP = 2
+DEFAULT_UNROLL = 0        # MMVQ load batch (0: run 1's loop)
+FUSE_COMBINE = False      # attention combine in the split kernel's last block
+FUSE_NORM = False         # rmsnorm + q8_1 in the residual-add GEMV's last block
 
 _WTYPE = {"F32": 0, "F16": 1, "Q4_K": 12, "Q6_K": 14}
 
@@ -182,12 +186,15 @@ def embed_table(info, shared=None, pad_q6k: bool = True) -> EmbedTable:
 # ----------------------------------------------------------------------------- launches
 
 def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
-                rows_per_warp: int = DEFAULT_ROWS_PER_WARP) -> None:
+                rows_per_warp: int = DEFAULT_ROWS_PER_WARP, unroll: int = DEFAULT_UNROLL,
+                norm: tuple | None = None) -> None:
     """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
 
-    store: up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
-    add:   one matrix, outs[0] += W x.
-    swiglu: weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
+    store:   up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
+    add:     one matrix, outs[0] += W x.
+    swiglu:  weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
+    addnorm: add, then the launch's last block writes q8_1(rmsnorm(outs[0]) * nw) with
+             norm = (nw, eps, oq, ods, sum_q, counter uint32[1], zero between launches).
     """
     w0 = weights[0]
     kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
@@ -198,10 +205,12 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
         if len(weights) != 2 or weights[1].rows != w0.rows:
             raise ValueError("mmvq swiglu: needs (gate, up) with the same rows")
         segs = [w0]
-    elif mode == "add":
+    elif mode in ("add", "addnorm"):
         if len(weights) != 1:
-            raise ValueError("mmvq add: one matrix")
+            raise ValueError(f"mmvq {mode}: one matrix")
         segs = [w0]
+        if mode == "addnorm" and (norm is None or int(w0.rows) > NORM_MAX):
+            raise ValueError(f"mmvq addnorm: needs norm=(...) and at most {NORM_MAX} rows")
     else:
         if not 1 <= len(weights) <= 3:
             raise ValueError("mmvq store: 1 to 3 matrices")
@@ -214,12 +223,17 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
     ws = [w.data for w in weights] + [w0.data] * (3 - len(weights))
     ys = list(outs) + [outs[0]] * (3 - len(outs))
     ns = [int(w.rows) for w in segs] + [0] * (3 - len(segs))
-    name = DK.mmvq_name(kind, rows_per_warp, mode, padded)
+    if norm is None:
+        tail = (_null(), np.float32(0), _null(), _null(), np.int32(0), _null())
+    else:
+        nw, eps, oq, ods, sum_q, counter = norm
+        tail = (nw, np.float32(eps), oq, ods, np.int32(bool(sum_q)), counter)
+    name = DK.mmvq_name(kind, rows_per_warp, mode, padded, unroll)
     k = _k("mmvq_q4_k.cu" if kind == "q4_k" else "mmvq_q6_k.cu", name)
     if grid:
         k((grid,), (MMVQ_NW * 32,), (ws[0], ws[1], ws[2], ys[0], ys[1], ys[2],
                                      np.int32(ns[0]), np.int32(ns[1]), np.int32(ns[2]),
-                                     np.int32(nb1), np.int32(nb2), xq, xds, np.int32(K)))
+                                     np.int32(nb1), np.int32(nb2), xq, xds, np.int32(K)) + tail)
 
 
 def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) -> int:
@@ -232,21 +246,28 @@ def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) 
 
 def attention_launch(q, k_layer, v_layer, tok_stride: int, head_stride: int, pos_dev,
                      n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_split: int,
-                     part_o, part_ml, oq, ods, out=None, sum_q: bool = True) -> None:
+                     part_o, part_ml, oq, ods, out=None, sum_q: bool = True, counters=None) -> None:
     """Decode attention of q [H, hd] (float32) over keys 0..pos (pos read on the device):
-    split kernel + combine kernel; writes q8_1 (oq, ods; s per `sum_q`, see ACT_SUM) and, if
-    given, float32 `out`."""
+    split kernel + combine kernel (or, with `counters` uint32 [KVH] zeroed, the combine fused
+    into the split kernel's last block per KV head); writes q8_1 (oq, ods; s per `sum_q`, see
+    ACT_SUM) and, if given, float32 `out`."""
     group = n_heads // n_kv_heads
     if group not in DK.ATTN_GROUPS or head_dim not in DK.ATTN_HEAD_DIMS:
         raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
                         f"is not compiled (groups {DK.ATTN_GROUPS}, head sizes {DK.ATTN_HEAD_DIMS})")
     scale = np.float32(1.0 / np.sqrt(head_dim))
+    o = out if out is not None else _null()
+    sq = np.int32(bool(sum_q))
     ks = _k("attention_decode.cu", DK.attn_split_name(head_dim, group, kv_dtype))
+    if counters is not None:
+        ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
+                                           pos_dev, scale, part_o, part_ml, counters, o, oq, ods, sq))
+        return
     ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                       pos_dev, scale, part_o, part_ml))
+                                       pos_dev, scale, part_o, part_ml, _null(), _null(), _null(), _null(),
+                                       np.int32(0)))
     kc = _k("attention_decode.cu", DK.attn_combine_name(head_dim))
-    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split),
-                                 out if out is not None else _null(), oq, ods, np.int32(bool(sum_q))))
+    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), o, oq, ods, sq))
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -294,7 +315,8 @@ class DecodePlan:
 
     def __init__(self, weights: DecodeWeights, k_layers, v_layers, tok_stride: int, head_stride: int,
                  kv_dtype: str, max_tokens: int, rows_per_warp: int = DEFAULT_ROWS_PER_WARP,
-                 n_split: int | None = None, hist_cap: int = 4096, act_sum: str = ACT_SUM):
+                 n_split: int | None = None, hist_cap: int = 4096, act_sum: str = ACT_SUM,
+                 unroll: int | None = None, fuse_combine: bool | None = None, fuse_norm: bool | None = None):
         cp = _cp()
         from engine.gpu_ops import Q8Act
         from engine.reference import rope_tables
@@ -306,6 +328,10 @@ class DecodePlan:
         self.kv_dtype = kv_dtype
         self.max_tokens = int(max_tokens)
         self.rows_per_warp = rows_per_warp
+        self.unroll = DEFAULT_UNROLL if unroll is None else int(unroll)
+        DK.mmvq_name("q4_k", rows_per_warp, "store", unroll=self.unroll)      # a compiled variant?
+        self.fuse_combine = FUSE_COMBINE if fuse_combine is None else bool(fuse_combine)
+        self.fuse_norm = (FUSE_NORM if fuse_norm is None else bool(fuse_norm)) and cfg.d_model <= NORM_MAX
         if act_sum not in ("q", "x"):
             raise ValueError("act_sum must be 'q' or 'x'")
         self.sum_q = np.int32(act_sum == "q")
@@ -330,6 +356,8 @@ class DecodePlan:
             self.ffa = cp.zeros(ff, dtype=f32)
             self.ffb = cp.zeros(ff, dtype=f32)
         self.logits = cp.zeros(cfg.vocab_size, dtype=f32)
+        self.norm_counter = cp.zeros(1, dtype=np.uint32)          # self-re-arming (kernels)
+        self.att_counters = cp.zeros(cfg.n_kv_heads, dtype=np.uint32)
         cos, sin = rope_tables(cfg, np.arange(self.max_tokens))
         self.rcos, self.rsin = cp.asarray(cos), cp.asarray(sin)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -343,13 +371,18 @@ class DecodePlan:
         kl, vl = cache.layer_views()
         return cls(weights, kl, vl, cache.tok_stride, cache.head_stride, cache.dtype, cache.max_tokens, **kw)
 
+    @property
+    def variant(self) -> str:
+        return (f"R{self.rows_per_warp}U{self.unroll}" + ("+combine" if self.fuse_combine else "")
+                + ("+norm" if self.fuse_norm else ""))
+
     @staticmethod
     def _same_launch(a, b) -> bool:
         return a.kind == b.kind and bool(getattr(a, "padded", False)) == bool(getattr(b, "padded", False))
 
     # -- the launches of one step (current stream) ------------------------------------------
     def enqueue(self) -> None:
-        cfg, w, R = self.cfg, self.w, self.rows_per_warp
+        cfg, w, R, U = self.cfg, self.w, self.rows_per_warp, self.unroll
         d, qd, kvd = cfg.d_model, cfg.q_dim, cfg.kv_dim
         e = w.embed
         _k("decode_fused.cu", "decode_embed")((-(-d // 256),), (256,), (
@@ -360,9 +393,21 @@ class DecodePlan:
         post = _k("decode_fused.cu", "qkv_post_" + self.kv_dtype)
         n_post = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // 2 + kvd
         q_out, k_out, v_out = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
+
+        def norm(nw):            # rmsnorm(x) * nw -> act_d
+            rms((1,), (1024,), (self.x, nw, self.eps, np.int32(d), self.act_d.q, self.act_d.ds, _null(),
+                                self.sum_q))
+
+        def add_norm(wt, act, nw):   # x += W act, then act_d = q8_1(rmsnorm(x) * nw)
+            if self.fuse_norm:
+                mmvq_launch([wt], [self.x], act.q, act.ds, "addnorm", R, U,
+                            norm=(nw, self.eps, self.act_d.q, self.act_d.ds, self.sum_q, self.norm_counter))
+            else:
+                mmvq_launch([wt], [self.x], act.q, act.ds, "add", R, U)
+                norm(nw)
+
+        norm(w.layers[0].attn_norm)
         for i, L in enumerate(w.layers):
-            rms((1,), (1024,), (self.x, L.attn_norm, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
-                                _null(), self.sum_q))
             # q, k, v: one launch per run of matrices that share kind and layout
             groups: list[tuple[list, list]] = []
             for wt, out in ((L.attn_q, q_out), (L.attn_k, k_out), (L.attn_v, v_out)):
@@ -372,7 +417,7 @@ class DecodePlan:
                 else:
                     groups.append(([wt], [out]))
             for ws, outs in groups:
-                mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store", R)
+                mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store", R, U)
             post((-(-n_post // 256),), (256,), (
                 self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
                 self.state, self.qrot, self.k_layers[i], self.v_layers[i], np.int64(self.tok_stride),
@@ -381,24 +426,21 @@ class DecodePlan:
             attention_launch(self.qrot, self.k_layers[i], self.v_layers[i], self.tok_stride, self.head_stride,
                              self.state[1:2], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype,
                              self.n_split, self.part_o, self.part_ml, self.act_q.q, self.act_q.ds,
-                             sum_q=bool(self.sum_q))
-            mmvq_launch([L.attn_output], [self.x], self.act_q.q, self.act_q.ds, "add", R)
-            rms((1,), (1024,), (self.x, L.ffn_norm, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
-                                _null(), self.sum_q))
+                             sum_q=bool(self.sum_q), counters=self.att_counters if self.fuse_combine else None)
+            add_norm(L.attn_output, self.act_q, L.ffn_norm)
             if self._same_launch(L.ffn_gate, L.ffn_up):
-                mmvq_launch([L.ffn_gate, L.ffn_up], [self.hff], self.act_d.q, self.act_d.ds, "swiglu", R)
+                mmvq_launch([L.ffn_gate, L.ffn_up], [self.hff], self.act_d.q, self.act_d.ds, "swiglu", R, U)
             else:
-                mmvq_launch([L.ffn_gate], [self.ffa], self.act_d.q, self.act_d.ds, "store", R)
-                mmvq_launch([L.ffn_up], [self.ffb], self.act_d.q, self.act_d.ds, "store", R)
+                mmvq_launch([L.ffn_gate], [self.ffa], self.act_d.q, self.act_d.ds, "store", R, U)
+                mmvq_launch([L.ffn_up], [self.ffb], self.act_d.q, self.act_d.ds, "store", R, U)
                 ff = cfg.d_ff
                 _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
                                                                                np.int32(ff)))
             qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
                                                   np.int32(cfg.d_ff // 32), self.sum_q))
-            mmvq_launch([L.ffn_down], [self.x], self.act_ff.q, self.act_ff.ds, "add", R)
-        rms((1,), (1024,), (self.x, w.output_norm, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
-                            _null(), self.sum_q))
-        mmvq_launch([w.output], [self.logits], self.act_d.q, self.act_d.ds, "store", R)
+            nxt = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.output_norm
+            add_norm(L.ffn_down, self.act_ff, nxt)
+        mmvq_launch([w.output], [self.logits], self.act_d.q, self.act_d.ds, "store", R, U)
         _k("argmax.cu", "argmax_step")((1,), (1024,), (self.logits, np.int32(cfg.vocab_size), self.state,
                                                        self.hist, np.int32(self.hist_cap), self.best))
 
@@ -495,16 +537,16 @@ class DecodeModel:
     device = "gpu"
 
     def __init__(self, model_file, pad_q6k: bool = True, kv_dtype: str = "f16",
-                 rows_per_warp: int = DEFAULT_ROWS_PER_WARP, use_graph: bool = True, progress: bool = False,
-                 act_sum: str = ACT_SUM):
+                 use_graph: bool = True, progress: bool = False, **plan_kw):
+        """plan_kw: DecodePlan options (rows_per_warp, unroll, fuse_combine, fuse_norm, act_sum)
+        for the plans of new caches."""
         self.file = model_file
         self.config = model_file.config
         self.weights = DecodeWeights.upload(model_file, pad_q6k=pad_q6k, progress=progress)
         self.resident_bytes = self.weights.resident_bytes
         self.kv_dtype = kv_dtype
-        self.rows_per_warp = rows_per_warp
         self.use_graph = use_graph
-        self.act_sum = act_sum
+        self.plan_kw = plan_kw
 
     @classmethod
     def from_path(cls, path, **kw) -> "DecodeModel":
@@ -517,8 +559,7 @@ class DecodeModel:
 
     def plan(self, cache: DeviceKVCache) -> DecodePlan:
         if cache.plan is None:
-            cache.plan = DecodePlan.for_cache(self.weights, cache, rows_per_warp=self.rows_per_warp,
-                                              act_sum=self.act_sum)
+            cache.plan = DecodePlan.for_cache(self.weights, cache, **self.plan_kw)
         return cache.plan
 
     def forward(self, ids: Sequence[int], cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
@@ -663,7 +704,8 @@ def count_launches(plan: DecodePlan) -> int:
     return n[0]
 
 
-def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PER_WARP, iters: int = 50) -> list:
+def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PER_WARP, iters: int = 50,
+                    unroll: int = DEFAULT_UNROLL) -> list:
     """Each GEMV of one decode step, alone: (what, N, K, weight bytes, us, GB/s); median of
     `iters` timed launches after a warm-up. The layer-0 (and, if different, the last layer's)
     matrices and the output matrix."""
@@ -685,19 +727,19 @@ def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PE
         ys = [cp.zeros(int(w.rows), dtype=np.float32) for w in ws] if mode == "store" else \
             [cp.zeros(n_out, dtype=np.float32)]
         for _ in range(3):
-            mmvq_launch(ws, ys, a.q, a.ds, mode, rows_per_warp)
+            mmvq_launch(ws, ys, a.q, a.ds, mode, rows_per_warp, unroll)
         ts = []
         for _ in range(iters):
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record()
-            mmvq_launch(ws, ys, a.q, a.ds, mode, rows_per_warp)
+            mmvq_launch(ws, ys, a.q, a.ds, mode, rows_per_warp, unroll)
             e1.record()
             e1.synchronize()
             ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
         us = float(np.median(ts))
         nbytes = sum(int(w.data.nbytes) for w in ws)
         out.append({"what": what, "N": sum(int(w.rows) for w in ws), "K": K, "bytes": nbytes, "us": us,
-                    "GB_s": nbytes / us / 1e3, "rows_per_warp": rows_per_warp})
+                    "GB_s": nbytes / us / 1e3, "rows_per_warp": rows_per_warp, "unroll": unroll})
 
     layers = [0] if cfg.n_layers == 1 else [0, 4 if cfg.n_layers > 4 else cfg.n_layers - 1]
     for i in layers:
@@ -717,8 +759,20 @@ def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PE
     return out
 
 
+def parse_variant(text: str) -> dict:
+    """'R2U0+combine+norm' -> DecodePlan options."""
+    import re
+
+    parts = text.split("+")
+    m = re.fullmatch(r"R(\d+)U(\d+)", parts[0])
+    if not m or any(p not in ("combine", "norm") for p in parts[1:]):
+        raise ValueError(f"variant {text!r}: expected R<rows>U<unroll>[+combine][+norm]")
+    return {"rows_per_warp": int(m.group(1)), "unroll": int(m.group(2)),
+            "fuse_combine": "combine" in parts[1:], "fuse_norm": "norm" in parts[1:]}
+
+
 def main(argv=None) -> int:
-    """python -m engine.gpu_decode --model M [-n 128] [-d 0,3314] [-r 5] [--rows 1,2,4] [--json F]"""
+    """python -m engine.gpu_decode --model M [-n 128] [-d 0,3314] [-r 5] [--variants ...] [--json F]"""
     import argparse
     import json
     import os
@@ -728,11 +782,12 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=128)
     p.add_argument("-d", default="0")
     p.add_argument("-r", type=int, default=5)
-    p.add_argument("--rows", default=str(DEFAULT_ROWS_PER_WARP), help="MMVQ rows per warp variants")
+    p.add_argument("--variants", default="R2U0", help="comma-separated R<rows>U<unroll>[+combine][+norm]; "
+                   "the first depth runs every variant, the other depths the fastest")
     p.add_argument("--raw-q6k", action="store_true", help="keep q6_K rows raw (210 B)")
     p.add_argument("--kv", default="f16", choices=DK.KV_DTYPES)
     p.add_argument("--eager", action="store_true", help="also time tg at depth 0 without the graph")
-    p.add_argument("--kernels", action="store_true", help="GEMV microbenchmark per matrix")
+    p.add_argument("--kernels", default="", help="variants (R<rows>U<unroll>) for the GEMV microbenchmark")
     p.add_argument("--json")
     a = p.parse_args(argv)
     res = {"model": a.model, "size": os.path.getsize(a.model), "rows": [], "kernels": []}
@@ -744,39 +799,40 @@ def main(argv=None) -> int:
 
     model = DecodeModel.from_path(a.model, pad_q6k=not a.raw_q6k, kv_dtype=a.kv, progress=True)
     res["resident_bytes"] = model.resident_bytes
-    variants = [int(x) for x in a.rows.split(",")]
+    variants = a.variants.split(",")
     depths = [int(x) for x in a.d.split(",")]
 
-    def row(R, depth, graph):
-        model.rows_per_warp = R
+    def row(v, depth, graph):
+        model.plan_kw = parse_variant(v)
         ts = bench_decode(model, a.n, depth, a.r if graph else 2, use_graph=graph)
-        r = {"test": f"tg{a.n}" + (f" @ d{depth}" if depth else ""), "rows_per_warp": R, "graph": graph,
+        r = {"test": f"tg{a.n}" + (f" @ d{depth}" if depth else ""), "variant": v, "graph": graph,
              "tok_s": float(np.mean(ts)), "sd": float(np.std(ts, ddof=1)) if len(ts) > 1 else 0.0,
              "reps": ts, "q6k": "raw" if a.raw_q6k else "padded", "kv": a.kv}
         res["rows"].append(r)
-        print(f"{r['test']:14s} R={R} graph={str(graph):5s} {r['tok_s']:9.1f} ± {r['sd']:.1f} tok/s", flush=True)
+        print(f"{r['test']:14s} {v:22s} graph={str(graph):5s} {r['tok_s']:9.1f} ± {r['sd']:.1f} tok/s", flush=True)
         dump()
 
-    for R in variants:
-        row(R, depths[0], True)
-    best = max(res["rows"], key=lambda r: r["tok_s"])["rows_per_warp"]
-    res["best_rows_per_warp"] = best
+    for v in variants:
+        row(v, depths[0], True)
+    best = max(res["rows"], key=lambda r: r["tok_s"])["variant"]
+    res["best_variant"] = best
     for depth in depths[1:]:
         row(best, depth, True)
     if a.eager:
         row(best, depths[0], False)
-    model.rows_per_warp = best
+    model.plan_kw = parse_variant(best)
     res["host"] = host_overhead_us(model)
     h = res["host"]
-    print(f"host time per step: graph {h['graph_us']:.1f} us, eager {h['eager_us']:.1f} us "
+    print(f"host time per step ({best}): graph {h['graph_us']:.1f} us, eager {h['eager_us']:.1f} us "
           f"({h['kernels_per_step']} kernels), graph build {h['graph_build_ms']:.1f} ms", flush=True)
     dump()
-    if a.kernels:
-        for R in variants:
-            for k in mmvq_microbench(model.weights, R):
-                res["kernels"].append(k)
-                print(f"  R={R} {k['what']:28s} {k['N']:6d}x{k['K']:<6d} {k['bytes'] / 2**20:8.1f} MiB "
-                      f"{k['us']:8.1f} us {k['GB_s']:7.0f} GB/s", flush=True)
+    for v in [x for x in a.kernels.split(",") if x]:
+        kw = parse_variant(v)
+        for k in mmvq_microbench(model.weights, kw["rows_per_warp"], unroll=kw["unroll"]):
+            k["variant"] = v
+            res["kernels"].append(k)
+            print(f"  {v:6s} {k['what']:28s} {k['N']:6d}x{k['K']:<6d} {k['bytes'] / 2**20:8.1f} MiB "
+                  f"{k['us']:8.1f} us {k['GB_s']:7.0f} GB/s", flush=True)
         dump()
     return 0
 

@@ -19,6 +19,8 @@
 // attn_split: block = 128 threads; a key row is HD / VEC lanes (VEC = elements per 16-byte
 // load: 8 for f16, 4 for f32), so a pass covers 128 / (HD / VEC) keys; K and V of a tile are
 // loaded together (one memory round trip per tile), q of the G heads sits in shared memory.
+// Fused variant (cnt != null, one launch): the last split block of each KV head to finish
+// (atomic counter per KV head, re-armed to 0 by that block) runs the combine for its G heads.
 // attn_combine: block = HD threads (one per output dim), grid = H; the q8_1 quantization is
 // quantize_q8_1.cu's formula (one warp = one 32-element block), with s = sum of the inputs
 // (sum_q = 0) or s = d * sum(q) (sum_q = 1; see decode_fused.cu).
@@ -47,11 +49,12 @@ __device__ __forceinline__ void kv_floats(const uint4& t, float (&v)[8]) {
     }
 }
 
+// Keys [j0, j1) of one split for the G query heads of KV head kvh -> part_o / part_ml.
 template <int HD, int G, typename KV>
-__device__ __forceinline__ void attn_split_body(
+__device__ __forceinline__ void attn_split_tiles(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
-    long long tok_stride, long long head_stride, const int* __restrict__ pos_ptr, float scale,
-    float* __restrict__ part_o, float2* __restrict__ part_ml) {
+    long long tok_stride, long long head_stride, float scale, float* __restrict__ part_o,
+    float2* __restrict__ part_ml, int S, int s, int kvh, int j0, int j1) {
     constexpr int VEC = 16 / sizeof(KV);
     constexpr int LPK = HD / VEC;            // lanes per key row
     constexpr int KPP = ATT_NT / LPK;        // keys per pass
@@ -65,16 +68,8 @@ __device__ __forceinline__ void attn_split_body(
     __shared__ float sm[G], sl[G], salpha[G];
     __shared__ __align__(16) float sred[NW][G][HD];
 
-    const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int L = __ldg(pos_ptr) + 1;
-    const int C = (L + S - 1) / S;
-    const int j0 = s * C, j1 = min(L, j0 + C);
     const int h0 = kvh * G;
-    if (j0 >= j1) {
-        if (tid < G) part_ml[(size_t)(h0 + tid) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
-        return;
-    }
     for (int i = tid; i < G * HD; i += ATT_NT) sq[i / HD][i % HD] = q[(size_t)h0 * HD + i];
     if (tid < G) { sm[tid] = ATT_NEG_INF; sl[tid] = 0.0f; }
     __syncthreads();
@@ -193,15 +188,91 @@ __device__ __forceinline__ void attn_split_body(
     if (tid < G) part_ml[(size_t)(h0 + tid) * S + s] = make_float2(sm[tid], sl[tid]);
 }
 
+// One output element (head h, dim dd) of the combine, and its q8_1 block (the 32 lanes of the
+// calling warp hold 32 consecutive dims of one head). CG: read the partials through L2 (they
+// were written by other blocks of the same launch).
+template <int HD, bool CG>
+__device__ __forceinline__ void attn_combine_one(
+    int h, int dd, const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
+    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods, int sum_q) {
+    const int lane = threadIdx.x & 31;
+    const float2* ml = part_ml + (size_t)h * S;
+    float M = ATT_NEG_INF;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, CG ? __ldcg(&ml[s].x) : ml[s].x);
+    float den = 0.0f, o = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        const float2 v = CG ? __ldcg(&ml[s]) : ml[s];
+        if (v.x == ATT_NEG_INF) continue;          // empty split (its o was never written)
+        const float w = expf(v.x - M);
+        den += w * v.y;
+        const float* po = part_o + ((size_t)h * S + s) * HD + dd;
+        o += w * (CG ? __ldcg(po) : *po);
+    }
+    o = o / den;
+    const int idx = h * HD + dd;
+    if (out) out[idx] = o;
+    // q8_1 of the 32 values of this warp (quantize_q8_1.cu's formula)
+    float amax = fabsf(o), sum = o;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
+    }
+    const float d = __fdiv_rn(amax, 127.0f);
+    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(o, d));
+    oq[idx] = (i8)qi;
+    if (sum_q) {                               // s = d * sum(q) (decode_fused.cu q8_block)
+        int sq = qi;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+        sum = __fmul_rn(d, (float)sq);
+    }
+    if (lane == 0) ods[idx >> 5] = make_float2(d, sum);
+}
+
+template <int HD, int G, typename KV>
+__device__ __forceinline__ void attn_split_body(
+    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+    long long tok_stride, long long head_stride, const int* __restrict__ pos_ptr, float scale,
+    float* __restrict__ part_o, float2* __restrict__ part_ml, unsigned* __restrict__ counters,
+    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods, int sum_q) {
+    const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y;
+    const int tid = threadIdx.x;
+    const int L = __ldg(pos_ptr) + 1;
+    const int C = (L + S - 1) / S;
+    const int j0 = s * C, j1 = min(L, j0 + C);
+    const int h0 = kvh * G;
+    if (j0 < j1) {
+        attn_split_tiles<HD, G, KV>(q, kc, vc, tok_stride, head_stride, scale, part_o, part_ml, S, s,
+                                    kvh, j0, j1);
+    } else if (tid < G) {
+        part_ml[(size_t)(h0 + tid) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
+    }
+    if (counters == nullptr) return;
+    // fused combine: the last of the S split blocks of this KV head merges its G heads
+    __shared__ unsigned last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = (atomicAdd(counters + kvh, 1u) == (unsigned)S - 1u);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = tid; i < G * HD; i += ATT_NT)      // whole warps: G * HD is a multiple of 32
+        attn_combine_one<HD, true>(h0 + i / HD, i % HD, part_o, part_ml, S, out, oq, ods, sum_q);
+    if (tid == 0) counters[kvh] = 0u;               // re-armed for the next launch / replay
+}
+
 #define ATT_SPLIT_INSTANCE(HD, G, KVT, NAME)                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_NT)                                       \
     attn_split_h##HD##_g##G##_##NAME(const float* __restrict__ q, const KVT* __restrict__ kc,  \
                                      const KVT* __restrict__ vc, long long tok_stride,         \
                                      long long head_stride, const int* __restrict__ pos_ptr,   \
                                      float scale, float* __restrict__ part_o,                  \
-                                     float2* __restrict__ part_ml) {                           \
+                                     float2* __restrict__ part_ml, unsigned* __restrict__ cnt, \
+                                     float* __restrict__ out, i8* __restrict__ oq,             \
+                                     float2* __restrict__ ods, int sum_q) {                    \
         attn_split_body<HD, G, KVT>(q, kc, vc, tok_stride, head_stride, pos_ptr, scale,        \
-                                    part_o, part_ml);                                          \
+                                    part_o, part_ml, cnt, out, oq, ods, sum_q);                \
     }
 
 #define ATT_SPLIT_G(G)                        \
@@ -223,38 +294,7 @@ template <int HD>
 __device__ __forceinline__ void attn_combine_body(
     const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
     float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods, int sum_q) {
-    const int h = blockIdx.x, dd = threadIdx.x, lane = dd & 31;
-    const float2* ml = part_ml + (size_t)h * S;
-    float M = ATT_NEG_INF;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, ml[s].x);
-    float den = 0.0f, o = 0.0f;
-    for (int s = 0; s < S; ++s) {
-        const float2 v = ml[s];
-        if (v.x == ATT_NEG_INF) continue;          // empty split (its o was never written)
-        const float w = expf(v.x - M);
-        den += w * v.y;
-        o += w * part_o[((size_t)h * S + s) * HD + dd];
-    }
-    o = o / den;
-    const int idx = h * HD + dd;
-    if (out) out[idx] = o;
-    // q8_1 of the 32 values of this warp (quantize_q8_1.cu, bit for bit)
-    float amax = fabsf(o), sum = o;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
-    }
-    const float d = __fdiv_rn(amax, 127.0f);
-    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(o, d));
-    oq[idx] = (i8)qi;
-    if (sum_q) {                               // s = d * sum(q) (decode_fused.cu q8_block)
-        int sq = qi;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        sum = __fmul_rn(d, (float)sq);
-    }
-    if (lane == 0) ods[idx >> 5] = make_float2(d, sum);
+    attn_combine_one<HD, false>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods, sum_q);
 }
 
 #define ATT_COMBINE_INSTANCE(HD)                                                               \

@@ -24,7 +24,13 @@
 //   MODE 1 add   : y_0[n] += dot                (residual add; one segment)
 //   MODE 2 swiglu: y_0[n] = silu(dot_gate) * dot_up with gate = w0, up = w1 (same rows);
 //                  silu(g) = g / (1 + exp(-g)) as in engine/reference.py.
-// Kernel names: mmvq_q4_k_r{R}_{store|add|swiglu}.
+//   MODE 3 addnorm: MODE 1, then the last block to finish (atomic counter `cnt`, re-armed to 0
+//                  by that block) writes q8_1(rmsnorm(y_0) * nw) to (oq, ods): the next
+//                  layer's input without a separate rmsnorm launch (s = d*sum(q) if sum_q).
+// U: slots per batch (all their loads in flight before the first dot product); U = 0 is
+// run 1's loop (one slot per iteration, `#pragma unroll 2`).
+// Kernel names: mmvq_q4_k_r{R}u{U}_{store|add|swiglu|addnorm}; every instance takes the
+// MODE 3 arguments (ignored by the other modes).
 #include "common.cuh"
 
 #define MMVQ_NW 4
@@ -83,12 +89,107 @@ __device__ __forceinline__ float q4k_slot(const uint4& hdr, const uint4& qs, int
     return h == 0 ? r - mterm : r;
 }
 
-template <int R, int MODE>
+// ---------------------------------------------------------------- epilogue (same in mmvq_q6_k.cu)
+
+#define MMVQ_NORM_MAX 8192     // MODE 3: largest vector the last block normalizes (shared memory)
+
+// MODE 3 tail, run by the last block of the launch to finish (after every row of y was
+// written): q8_1 of rmsnorm(y) * nw (decode_fused.cu rmsnorm_q8, the same formulas), so the
+// next GEMV's input is ready without a separate launch. y is read through L2 (ld.cg).
+__device__ __forceinline__ void mmvq_norm_tail(const float* __restrict__ y, int K,
+                                               const float* __restrict__ nw, float eps,
+                                               i8* __restrict__ oq, float2* __restrict__ ods,
+                                               int sum_q) {
+    __shared__ float xs[MMVQ_NORM_MAX];
+    __shared__ float red[MMVQ_NW];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float ss = 0.0f;
+    for (int k = tid; k < K; k += MMVQ_NW * 32) {
+        const float v = __ldcg(y + k);
+        xs[k] = v;
+        ss += v * v;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MMVQ_NW; ++w) t += red[w];
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(t, (float)K), eps)));
+    for (int blk = warp; blk < (K >> 5); blk += MMVQ_NW) {
+        const int k = blk * 32 + lane;
+        const float h = __fmul_rn(__fmul_rn(xs[k], r), nw[k]);
+        float amax = fabsf(h), s = h;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+        }
+        const float d = __fdiv_rn(amax, 127.0f);
+        const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(h, d));
+        oq[k] = (i8)qi;
+        if (sum_q) {
+            int sq = qi;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+            s = __fmul_rn(d, (float)sq);
+        }
+        if (lane == 0) ods[blk] = make_float2(d, s);
+    }
+}
+
+// Row sums -> outputs (lane i of the warp stores row row0 + i), then the MODE 3 tail.
+template <int R, int MODE, int NR>
+__device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int row0, int N,
+                                              float* __restrict__ Y, const float* __restrict__ nw,
+                                              float eps, i8* __restrict__ oq,
+                                              float2* __restrict__ ods, int sum_q,
+                                              unsigned* __restrict__ counter) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+    }
+    if (active && lane < R && row0 + lane < N) {
+        float v = acc[0], u = (MODE == 2) ? acc[R] : 0.0f;
+#pragma unroll
+        for (int i = 1; i < R; ++i) {
+            if (lane == i) {
+                v = acc[i];
+                if (MODE == 2) u = acc[R + i];
+            }
+        }
+        const int n = row0 + lane;
+        if (MODE == 0) Y[n] = v;
+        else if (MODE == 2) Y[n] = __fmul_rn(silu_ref(v), u);
+        else Y[n] += v;
+    }
+    if constexpr (MODE == 3) {
+        __shared__ unsigned last;
+        __threadfence();                     // this block's rows are visible device-wide
+        __syncthreads();
+        if (threadIdx.x == 0) last = (atomicAdd(counter, 1u) == gridDim.x - 1);
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            mmvq_norm_tail(Y, N, nw, eps, oq, ods, sum_q);
+            if (threadIdx.x == 0) *counter = 0u;    // re-armed for the next launch / replay
+        }
+    }
+}
+
+// ---------------------------------------------------------------- q4_K body
+
+template <int R, int MODE, int U>
 __device__ __forceinline__ void mmvq_q4_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
-    const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
+    const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
+    const float* __restrict__ nw, float eps, i8* __restrict__ oq, float2* __restrict__ ods,
+    int sum_q, unsigned* __restrict__ counter) {
     constexpr int NR = (MODE == 2) ? 2 * R : R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int blk = blockIdx.x;
@@ -103,13 +204,13 @@ __device__ __forceinline__ void mmvq_q4_k_body(
         blk -= nb2; W = w2; Y = y2; N = n2;
     }
     const int row0 = (blk * MMVQ_NW + warp) * R;
-    if (row0 >= N) return;                       // whole warps only
-    const int nb = K >> 8;
-    const size_t rb = (size_t)nb * 144;
+    const bool active = row0 < N;                // whole warps; inactive ones skip the loads
+    const int nb = active ? (K >> 8) : 0;
+    const size_t rb = (size_t)(K >> 8) * 144;
     const u8* rows[NR];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        const int r = min(row0 + i, N - 1);      // rows past N: read row N-1, never stored
+        const int r = max(0, min(row0 + i, N - 1));   // rows past N: read row N-1, never stored
         rows[i] = W + (size_t)r * rb;
         if (MODE == 2) rows[R + i] = w1 + (size_t)r * rb;
     }
@@ -118,60 +219,82 @@ __device__ __forceinline__ void mmvq_q4_k_body(
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 
+    if constexpr (U == 0) {
+        // run 1's loop: one slot per iteration, the compiler unrolls by two
 #pragma unroll 2
-    for (int sb = lane >> 3; sb < nb; sb += 4) {
-        const int g0 = sb * 8 + 2 * c;
-        const uint4 xa = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
-        const uint4 xb = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
-        const float2 da = __ldg(xds + g0), db = __ldg(xds + g0 + 1);
-        uint4 hdr[NR], qs[NR];
+        for (int sb = lane >> 3; sb < nb; sb += 4) {
+            const int g0 = sb * 8 + 2 * c;
+            const uint4 xa = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
+            const uint4 xb = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
+            const float2 da = __ldg(xds + g0), db = __ldg(xds + g0 + 1);
+            uint4 hdr[NR], qs[NR];
 #pragma unroll
-        for (int i = 0; i < NR; ++i) {
-            const u8* blkp = rows[i] + (size_t)sb * 144;
-            hdr[i] = ld_stream16(blkp);
-            qs[i] = ld_stream16(blkp + 16 + 16 * j);
+            for (int i = 0; i < NR; ++i) {
+                const u8* blkp = rows[i] + (size_t)sb * 144;
+                hdr[i] = ld_stream16(blkp);
+                qs[i] = ld_stream16(blkp + 16 + 16 * j);
+            }
+#pragma unroll
+            for (int i = 0; i < NR; ++i) acc[i] += q4k_slot(hdr[i], qs[i], c, h, xa, xb, da, db);
         }
-#pragma unroll
-        for (int i = 0; i < NR; ++i) acc[i] += q4k_slot(hdr[i], qs[i], c, h, xa, xb, da, db);
     }
+    // U > 0: U consecutive slots (super-blocks sb, sb + 4, ...) per batch, all their loads
+    // issued before the first dot product
+    for (int sb0 = lane >> 3; U > 0 && sb0 < nb; sb0 += 4 * (U > 0 ? U : 1)) {
+        constexpr int UU = U > 0 ? U : 1;
+        uint4 hdr[UU][NR], qs[UU][NR], xa[UU], xb[UU];
+        float2 da[UU], db[UU];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
+        for (int u = 0; u < UU; ++u) {
+            const int sb = min(sb0 + 4 * u, nb - 1);  // past the row end: reload the last
+            const int g0 = sb * 8 + 2 * c;
+            xa[u] = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
+            xb[u] = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
+            da[u] = __ldg(xds + g0);
+            db[u] = __ldg(xds + g0 + 1);
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-    }
-    if (lane < R && row0 + lane < N) {
-        // lane i stores row row0 + i (register array indexed by constants only)
-        float v = acc[0], u = (MODE == 2) ? acc[R] : 0.0f;
-#pragma unroll
-        for (int i = 1; i < R; ++i) {
-            if (lane == i) {
-                v = acc[i];
-                if (MODE == 2) u = acc[R + i];
+            for (int i = 0; i < NR; ++i) {
+                const u8* blkp = rows[i] + (size_t)sb * 144;
+                hdr[u][i] = ld_stream16(blkp);
+                qs[u][i] = ld_stream16(blkp + 16 + 16 * j);
             }
         }
-        const int n = row0 + lane;
-        if (MODE == 0) Y[n] = v;
-        else if (MODE == 1) Y[n] += v;
-        else Y[n] = __fmul_rn(silu_ref(v), u);
+#pragma unroll
+        for (int u = 0; u < UU; ++u) {
+            if (sb0 + 4 * u < nb) {
+#pragma unroll
+                for (int i = 0; i < NR; ++i)
+                    acc[i] += q4k_slot(hdr[u][i], qs[u][i], c, h, xa[u], xb[u], da[u], db[u]);
+            }
+        }
     }
+    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y, nw, eps, oq, ods, sum_q, counter);
 }
 
-#define MMVQ_Q4K_INSTANCE(R, MODE, NAME)                                                      \
+#define MMVQ_Q4K_INSTANCE(R, U, MODE, NAME)                                                   \
     extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                \
-    mmvq_q4_k_r##R##_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,             \
+    mmvq_q4_k_r##R##u##U##_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,       \
                             const u8* __restrict__ w2, float* __restrict__ y0,                \
                             float* __restrict__ y1, float* __restrict__ y2, int n0, int n1,   \
                             int n2, int nb1, int nb2, const i8* __restrict__ xq,              \
-                            const float2* __restrict__ xds, int K) {                          \
-        mmvq_q4_k_body<R, MODE>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K);    \
+                            const float2* __restrict__ xds, int K,                            \
+                            const float* __restrict__ nw, float eps, i8* __restrict__ oq,     \
+                            float2* __restrict__ ods, int sum_q, unsigned* __restrict__ cnt) { \
+        mmvq_q4_k_body<R, MODE, U>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K,  \
+                                   nw, eps, oq, ods, sum_q, cnt);                             \
     }
 
-MMVQ_Q4K_INSTANCE(1, 0, store)
-MMVQ_Q4K_INSTANCE(1, 1, add)
-MMVQ_Q4K_INSTANCE(1, 2, swiglu)
-MMVQ_Q4K_INSTANCE(2, 0, store)
-MMVQ_Q4K_INSTANCE(2, 1, add)
-MMVQ_Q4K_INSTANCE(2, 2, swiglu)
-MMVQ_Q4K_INSTANCE(4, 0, store)
-MMVQ_Q4K_INSTANCE(4, 1, add)
-MMVQ_Q4K_INSTANCE(4, 2, swiglu)
+#define MMVQ_Q4K_MODES(R, U)                    \
+    MMVQ_Q4K_INSTANCE(R, U, 0, store)           \
+    MMVQ_Q4K_INSTANCE(R, U, 1, add)             \
+    MMVQ_Q4K_INSTANCE(R, U, 2, swiglu)          \
+    MMVQ_Q4K_INSTANCE(R, U, 3, addnorm)
+
+MMVQ_Q4K_MODES(1, 0)
+MMVQ_Q4K_MODES(2, 0)
+MMVQ_Q4K_MODES(4, 0)
+MMVQ_Q4K_MODES(1, 2)
+MMVQ_Q4K_MODES(2, 2)
+MMVQ_Q4K_MODES(4, 2)
+MMVQ_Q4K_MODES(1, 4)
+MMVQ_Q4K_MODES(2, 4)

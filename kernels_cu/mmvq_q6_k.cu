@@ -17,8 +17,9 @@
 // that bypass L1. Raw rows: blocks are only 2-byte aligned, so the same registers are filled
 // with 16-bit loads (the parity arm). 16 dp4a per slot against four 16-byte q8 slices.
 //
-// Launch and modes exactly as mmvq_q4_k.cu (block = 4 warps, R rows per warp, up to 3
-// segments; MODE 0 store, 1 add, 2 swiglu). Kernel names: mmvq_q6_k_{pad|raw}_r{R}_{mode}.
+// Launch, modes and epilogue exactly as mmvq_q4_k.cu (block = 4 warps, R rows per warp, up to
+// 3 segments; MODE 0 store, 1 add, 2 swiglu, 3 addnorm; U blocks per load batch).
+// Kernel names: mmvq_q6_k_{pad|raw}_r{R}u{U}_{store|add|swiglu|addnorm}.
 #include "common.cuh"
 
 #define MMVQ_NW 4
@@ -93,12 +94,107 @@ __device__ __forceinline__ float q6k_slot(const Q6Slot& s, int hh, int l0, const
     return f16_to_f32((u16)(s.d & 0xFFFFu)) * r;
 }
 
-template <int R, int MODE, bool PADDED>
+// ---------------------------------------------------------------- epilogue (same in mmvq_q4_k.cu)
+
+#define MMVQ_NORM_MAX 8192     // MODE 3: largest vector the last block normalizes (shared memory)
+
+// MODE 3 tail, run by the last block of the launch to finish (after every row of y was
+// written): q8_1 of rmsnorm(y) * nw (decode_fused.cu rmsnorm_q8, the same formulas), so the
+// next GEMV's input is ready without a separate launch. y is read through L2 (ld.cg).
+__device__ __forceinline__ void mmvq_norm_tail(const float* __restrict__ y, int K,
+                                               const float* __restrict__ nw, float eps,
+                                               i8* __restrict__ oq, float2* __restrict__ ods,
+                                               int sum_q) {
+    __shared__ float xs[MMVQ_NORM_MAX];
+    __shared__ float red[MMVQ_NW];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float ss = 0.0f;
+    for (int k = tid; k < K; k += MMVQ_NW * 32) {
+        const float v = __ldcg(y + k);
+        xs[k] = v;
+        ss += v * v;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MMVQ_NW; ++w) t += red[w];
+    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(t, (float)K), eps)));
+    for (int blk = warp; blk < (K >> 5); blk += MMVQ_NW) {
+        const int k = blk * 32 + lane;
+        const float h = __fmul_rn(__fmul_rn(xs[k], r), nw[k]);
+        float amax = fabsf(h), s = h;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+        }
+        const float d = __fdiv_rn(amax, 127.0f);
+        const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(h, d));
+        oq[k] = (i8)qi;
+        if (sum_q) {
+            int sq = qi;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+            s = __fmul_rn(d, (float)sq);
+        }
+        if (lane == 0) ods[blk] = make_float2(d, s);
+    }
+}
+
+// Row sums -> outputs (lane i of the warp stores row row0 + i), then the MODE 3 tail.
+template <int R, int MODE, int NR>
+__device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int row0, int N,
+                                              float* __restrict__ Y, const float* __restrict__ nw,
+                                              float eps, i8* __restrict__ oq,
+                                              float2* __restrict__ ods, int sum_q,
+                                              unsigned* __restrict__ counter) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+    }
+    if (active && lane < R && row0 + lane < N) {
+        float v = acc[0], u = (MODE == 2) ? acc[R] : 0.0f;
+#pragma unroll
+        for (int i = 1; i < R; ++i) {
+            if (lane == i) {
+                v = acc[i];
+                if (MODE == 2) u = acc[R + i];
+            }
+        }
+        const int n = row0 + lane;
+        if (MODE == 0) Y[n] = v;
+        else if (MODE == 2) Y[n] = __fmul_rn(silu_ref(v), u);
+        else Y[n] += v;
+    }
+    if constexpr (MODE == 3) {
+        __shared__ unsigned last;
+        __threadfence();                     // this block's rows are visible device-wide
+        __syncthreads();
+        if (threadIdx.x == 0) last = (atomicAdd(counter, 1u) == gridDim.x - 1);
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            mmvq_norm_tail(Y, N, nw, eps, oq, ods, sum_q);
+            if (threadIdx.x == 0) *counter = 0u;    // re-armed for the next launch / replay
+        }
+    }
+}
+
+// ---------------------------------------------------------------- q6_K body
+
+template <int R, int MODE, bool PADDED, int U>
 __device__ __forceinline__ void mmvq_q6_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
-    const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
+    const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
+    const float* __restrict__ nw, float eps, i8* __restrict__ oq, float2* __restrict__ ods,
+    int sum_q, unsigned* __restrict__ counter) {
     constexpr int NR = (MODE == 2) ? 2 * R : R;
     constexpr int BS = PADDED ? 224 : 210;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -114,79 +210,93 @@ __device__ __forceinline__ void mmvq_q6_k_body(
         blk -= nb2; W = w2; Y = y2; N = n2;
     }
     const int row0 = (blk * MMVQ_NW + warp) * R;
-    if (row0 >= N) return;
-    const int nb = K >> 8;
-    const size_t rb = (size_t)nb * BS;
+    const bool active = row0 < N;
+    const int nb = active ? (K >> 8) : 0;
+    const size_t rb = (size_t)(K >> 8) * BS;
     const u8* rows[NR];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        const int r = min(row0 + i, N - 1);
+        const int r = max(0, min(row0 + i, N - 1));
         rows[i] = W + (size_t)r * rb;
         if (MODE == 2) rows[R + i] = w1 + (size_t)r * rb;
     }
-    const int u = lane & 3, hh = u >> 1, l0 = 16 * (u & 1);
+    const int u4 = lane & 3, hh = u4 >> 1, l0 = 16 * (u4 & 1);
     float acc[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 
+    if constexpr (U == 0) {
+        // run 1's loop: one block per iteration, the compiler unrolls by two
 #pragma unroll 2
-    for (int b = lane >> 2; b < nb; b += 8) {
-        uint4 x[4];
-        float d8[4];
+        for (int b = lane >> 2; b < nb; b += 8) {
+            uint4 x[4];
+            float d8[4];
 #pragma unroll
-        for (int qq = 0; qq < 4; ++qq) {
-            x[qq] = __ldg(reinterpret_cast<const uint4*>(xq + b * 256 + 128 * hh + 32 * qq + l0));
-            d8[qq] = __ldg(xds + b * 8 + 4 * hh + qq).x;
+            for (int qq = 0; qq < 4; ++qq) {
+                x[qq] = __ldg(reinterpret_cast<const uint4*>(xq + b * 256 + 128 * hh + 32 * qq + l0));
+                d8[qq] = __ldg(xds + b * 8 + 4 * hh + qq).x;
+            }
+            Q6Slot s[NR];
+#pragma unroll
+            for (int i = 0; i < NR; ++i) q6k_load<PADDED>(s[i], rows[i] + (size_t)b * BS, hh, l0);
+#pragma unroll
+            for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[i], hh, l0, x, d8);
         }
-        Q6Slot s[NR];
-#pragma unroll
-        for (int i = 0; i < NR; ++i) q6k_load<PADDED>(s[i], rows[i] + (size_t)b * BS, hh, l0);
-#pragma unroll
-        for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[i], hh, l0, x, d8);
     }
+    constexpr int UU = U > 0 ? U : 1;
+    for (int b0 = lane >> 2; U > 0 && b0 < nb; b0 += 8 * UU) {
+        uint4 x[UU][4];
+        float d8[UU][4];
+        Q6Slot s[UU][NR];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
+        for (int u = 0; u < UU; ++u) {
+            const int b = min(b0 + 8 * u, nb - 1);
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-    }
-    if (lane < R && row0 + lane < N) {
-        float v = acc[0], g = (MODE == 2) ? acc[R] : 0.0f;
+            for (int qq = 0; qq < 4; ++qq) {
+                x[u][qq] = __ldg(reinterpret_cast<const uint4*>(xq + b * 256 + 128 * hh + 32 * qq + l0));
+                d8[u][qq] = __ldg(xds + b * 8 + 4 * hh + qq).x;
+            }
 #pragma unroll
-        for (int i = 1; i < R; ++i) {
-            if (lane == i) {
-                v = acc[i];
-                if (MODE == 2) g = acc[R + i];
+            for (int i = 0; i < NR; ++i) q6k_load<PADDED>(s[u][i], rows[i] + (size_t)b * BS, hh, l0);
+        }
+#pragma unroll
+        for (int u = 0; u < UU; ++u) {
+            if (b0 + 8 * u < nb) {
+#pragma unroll
+                for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[u][i], hh, l0, x[u], d8[u]);
             }
         }
-        const int n = row0 + lane;
-        if (MODE == 0) Y[n] = v;
-        else if (MODE == 1) Y[n] += v;
-        else Y[n] = __fmul_rn(silu_ref(v), g);
     }
+    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y, nw, eps, oq, ods, sum_q, counter);
 }
 
-#define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, MODE, NAME)                                       \
-    extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                 \
-    mmvq_q6_k_##LAYOUT##_r##R##_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,   \
-                                       const u8* __restrict__ w2, float* __restrict__ y0,      \
-                                       float* __restrict__ y1, float* __restrict__ y2, int n0, \
-                                       int n1, int n2, int nb1, int nb2,                       \
-                                       const i8* __restrict__ xq,                              \
-                                       const float2* __restrict__ xds, int K) {                \
-        mmvq_q6_k_body<R, MODE, PADDED>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, \
-                                        K);                                                    \
+#define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, MODE, NAME)                                     \
+    extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                  \
+    mmvq_q6_k_##LAYOUT##_r##R##u##U##_##NAME(                                                   \
+        const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
+        float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int n0, int n1, \
+        int n2, int nb1, int nb2, const i8* __restrict__ xq, const float2* __restrict__ xds,    \
+        int K, const float* __restrict__ nw, float eps, i8* __restrict__ oq,                    \
+        float2* __restrict__ ods, int sum_q, unsigned* __restrict__ cnt) {                      \
+        mmvq_q6_k_body<R, MODE, PADDED, U>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq,    \
+                                           xds, K, nw, eps, oq, ods, sum_q, cnt);               \
     }
 
-#define MMVQ_Q6K_LAYOUT(LAYOUT, PADDED)                 \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, 0, store)      \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, 1, add)        \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, 2, swiglu)     \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, 0, store)      \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, 1, add)        \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, 2, swiglu)     \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 4, 0, store)      \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 4, 1, add)        \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 4, 2, swiglu)
+#define MMVQ_Q6K_MODES(LAYOUT, PADDED, R, U)                 \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 0, store)        \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 1, add)          \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 2, swiglu)       \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 3, addnorm)
+
+#define MMVQ_Q6K_LAYOUT(LAYOUT, PADDED)          \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 1, 0)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 2, 0)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 4, 0)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 1, 2)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 2, 2)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 4, 2)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 1, 4)         \
+    MMVQ_Q6K_MODES(LAYOUT, PADDED, 2, 4)
 
 MMVQ_Q6K_LAYOUT(pad, true)
 MMVQ_Q6K_LAYOUT(raw, false)

@@ -26,7 +26,7 @@ case " $STEPS " in *" tests "*)
   for sel in "mmvq or attention or argmax or embed or rmsnorm or quantize_row or qkv_post" \
              "logits or greedy32 or gpu_model"; do
     echo "--- decode tests: $sel"
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_decode.py -k "$sel" 2>&1 \
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_decode.py -k "$sel" 2>&1 \
       | tee -a "$OUT/decode_tests.log" | grep -vE "^\s*$" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   done ;;
@@ -34,8 +34,9 @@ esac
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { echo "synth failed"; cat "$OUT/decode_synth.log"; rc=1; }; }
 case " $STEPS " in *" bench "*)
   echo "--- tg128 (engine.gpu_decode, standalone weights)"
-  timeout 170 python3 -m engine.gpu_decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
-    --rows "${DECODE_ROWS:-1,2,4}" --eager --kernels --json "$OUT/decode_bench.json" 2>&1 \
+  timeout 200 python3 -m engine.gpu_decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
+    --variants "${DECODE_VARIANTS:-R2U0,R1U0,R2U2,R1U4,R2U4,R4U2,R2U0+combine,R2U0+norm,R2U0+combine+norm,R2U2+combine+norm,R1U4+combine+norm}" \
+    --eager --kernels "${DECODE_KERNELS:-R2U0,R2U2,R1U4,R2U4}" --json "$OUT/decode_bench.json" 2>&1 \
     | tee "$OUT/decode_bench.log" | grep -v "decode weights: layer"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
 esac

@@ -174,6 +174,12 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
+inline void __threadfence() {}
+// one OS thread runs every fiber, so plain read-modify-write is atomic
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p = o + v; return o; }
+inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; return o; }
 
 inline int __dp4a(int a, int b, int c) {
     int s = c;

@@ -315,7 +315,8 @@ def install():
     for n in ("zeros", "empty", "full", "asarray", "asnumpy"):
         setattr(cp, n, globals()[n])
     cp.array = asarray
-    for n in ("float32", "float16", "float64", "int8", "uint8", "int32", "int64", "uint64"):
+    for n in ("float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+              "uint64"):
         setattr(cp, n, getattr(np, n))
     cuda = types.ModuleType("cupy.cuda")
     cuda.Stream, cuda.Event, cuda.Device, cuda.Graph = Stream, Event, Device, Graph
