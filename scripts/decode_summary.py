@@ -40,8 +40,8 @@ def main(out: str) -> int:
               f"{r['max_rel_l2']:.3g}, argmax agree {r['argmax_agree']}/{r['steps']} (margin>=1: {r['confident']})")
     for key in ("decode_greedy32", "decode_greedy32_gpu_model"):
         for r in by.get(key, []):
-            who = "DecodeModel" if key == "decode_greedy32" else "GPUModel+graph"
-            print(f"greedy-32 {who:14s} {r['model']:5s} prompt {r['prompt_len']:5d}: free run "
+            who = ("DecodeModel " + r.get("variant", "")) if key == "decode_greedy32" else "GPUModel+graph"
+            print(f"greedy-32 {who:30s} {r['model']:5s} prompt {r['prompt_len']:5d}: free run "
                   f"{r['matched']}/{r['compared']} {'ok' if r['ok'] else 'FAIL'}, teacher-forced "
                   f"{r['teacher_matched']}/{r['teacher_compared']} (of {r['golden_tokens']})")
     bj = os.path.join(out, "decode_bench.json")

@@ -547,10 +547,11 @@ def _teacher_forced_decode(model, case, min_margin):
     return compared, matched
 
 
+@pytest.mark.parametrize("variant", ["default", "R2U2+combine+norm"])
 @pytest.mark.parametrize("which", ["tiny", "slice"])
-def test_greedy32_goldens_on_gpu(cp, which, tiny_path):
+def test_greedy32_goldens_on_gpu(cp, which, variant, tiny_path):
     from engine import greedy32
-    from engine.gpu_decode import DecodeModel
+    from engine.gpu_decode import DecodeModel, parse_variant
 
     cases = _golden_cases(which)
     if which == "slice":
@@ -561,13 +562,14 @@ def test_greedy32_goldens_on_gpu(cp, which, tiny_path):
         path = tiny_path
     if EMU:
         cases = [c for c in cases if len(c["prompt_ids"]) < 200]
-    model = DecodeModel.from_path(path)
+    model = DecodeModel.from_path(path, **({} if variant == "default" else parse_variant(variant)))
     eog = _eog(path)
     rows = greedy32.run(model, cases, eog, min_margin=MIN_MARGIN)
     print(greedy32.format_rows(rows))
     tf = [_teacher_forced_decode(model, c, MIN_MARGIN) for c in cases]
     for c, r, (comp, mat) in zip(cases, rows, tf):
-        _report(test="decode_greedy32", model=which, prompt_len=len(c["prompt_ids"]), compared=r.compared,
+        _report(test="decode_greedy32", model=which, variant=variant, prompt_len=len(c["prompt_ids"]),
+                compared=r.compared,
                 matched=r.matched, ok=r.ok, teacher_compared=comp, teacher_matched=mat,
                 golden_tokens=len(c["tokens"]))
     assert all(r.ok for r in rows), greedy32.format_rows(rows)
