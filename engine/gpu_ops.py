@@ -22,7 +22,12 @@ from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 # 64x128 block finishes ~1.5x sooner than a lone 128x128 one, so short prompts use it.
 DEFAULT_VARIANT = {"q4_k": "m128n128w8tc_k256", "q6_k": "m128n128w8_k256"}
 SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
+# Tail split (split_plan) for the DEFAULT_VARIANT choice: off until measured on the device
+# (engine.gemm_bench with the "+split" variants; docs/perf-log.md).
+DEFAULT_SPLIT = {"q4_k": False, "q6_k": False}
+SPLIT_MAX_PARTS = 4
 _SM_COUNT: dict[int, int] = {}
+_SPLIT_BUFFERS: dict[int, tuple] = {}
 
 
 def _sm_count() -> int:
@@ -38,7 +43,69 @@ def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = Non
     """Production tile variant for a [tokens x rows] MMQ output."""
     sms = sm_count if sm_count is not None else _sm_count()
     small_blocks = -(-tokens // 64) * -(-rows // 128)
-    return (SMALL_VARIANT if small_blocks <= sms else DEFAULT_VARIANT)[kind]
+    if small_blocks <= sms:
+        return SMALL_VARIANT[kind]
+    return DEFAULT_VARIANT[kind] + (kernels.MMQ_SPLIT_SUFFIX if DEFAULT_SPLIT[kind] else "")
+
+
+def split_plan(tiles: int, slots: int, stages: int, max_parts: int = SPLIT_MAX_PARTS) -> tuple[int, int]:
+    """(split0, parts) for `tiles` equal blocks on `slots` block slots (SMs x blocks per SM)
+    and `stages` K stages per tile: the last tiles % slots tiles (the partial last wave) are
+    each computed by `parts` blocks over 1/parts of K, so that wave takes ~1/parts of a tile's
+    time instead of a whole one (tiles // slots + 1/parts waves instead of + 1). parts is the
+    most that still fit in one wave (<= slots // tail, <= stages, <= max_parts); (tiles, 1)
+    when that is < 2 (no split)."""
+    tail = tiles % slots
+    parts = min(slots // tail, stages, max_parts) if tail else 1
+    return (tiles - tail, parts) if parts >= 2 else (tiles, 1)
+
+
+class MmqGrid(NamedTuple):
+    tiles: int        # output tiles BM x BN
+    split0: int       # tiles >= split0 are split along K ...
+    parts: int        # ... into this many blocks each
+    blocks: int       # launched blocks (1-D grid)
+    waves: float      # predicted duration in whole-tile waves (1 per wave unsplit)
+
+
+def mmq_grid(kind: str, variant: str, T: int, N: int, K: int, sm_count: int | None = None,
+             split: tuple[int, int] | None = None) -> MmqGrid:
+    """Grid of one MMQ launch. A "+split" variant uses split_plan with slots = SMs x the
+    instance's blocks per SM (its __launch_bounds__ minimum, which the register and shared
+    memory use make exact); `split` = (split0, parts) forces a plan (tests)."""
+    bm, bn, _ = kernels.mmq_tile(kind, variant)
+    _, _, _, _, minb, ks, _ = kernels.mmq_config(kind, variant)
+    tiles = -(-T // bm) * -(-N // bn)
+    stages = K // ks
+    slots = (sm_count if sm_count is not None else _sm_count()) * minb
+    if split is None:
+        split = split_plan(tiles, slots, stages) if kernels.mmq_split_name(variant)[1] else (tiles, 1)
+    split0, parts = split
+    if not (0 <= split0 <= tiles and 1 <= parts <= max(stages, 1)):
+        raise ValueError(f"mmq: split {split} for {tiles} tiles of {stages} stages")
+    if parts == 1:
+        split0 = tiles
+    # waves of whole tiles, then those of the parts (the longest part: ceil(stages / parts)
+    # of the tile's stages); for split_plan's plans ~ tiles // slots + 1/parts
+    part_len = -(-stages // parts) / max(stages, 1)
+    waves = -(-split0 // slots) + -(-(tiles - split0) * parts // slots) * part_len
+    return MmqGrid(tiles, split0, parts, split0 + (tiles - split0) * parts, waves)
+
+
+def _split_buffers(n_floats: int, n_slots: int):
+    """Workspace float32 [>= n_floats] and counters uint32 [>= n_slots] (zero; the kernels
+    re-arm them) of the tail split, per device, grown on demand. One MMQ launch at a time
+    may use them (the forward runs on one stream)."""
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    ws, cnt = _SPLIT_BUFFERS.get(dev, (None, None))
+    if ws is None or ws.size < n_floats:
+        ws = cp.empty(n_floats, dtype=cp.float32)
+    if cnt is None or cnt.size < n_slots:
+        cnt = cp.zeros(max(n_slots, 1024), dtype=cp.uint32)
+    _SPLIT_BUFFERS[dev] = (ws, cnt)
+    return ws, cnt
 
 
 class Q8Act(NamedTuple):
@@ -88,10 +155,13 @@ def quantize_q8_1(x, out: Q8Act | None = None) -> Q8Act:
     return out
 
 
-def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None):
+def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
+        split: tuple[int, int] | None = None):
     """y[T, N] = dequant(weight) . x^T over q8_1 activations, float32, token-major.
     Picks the q4_K or q6_K kernel from the weight; the q6_K arm (uint4 / per-byte) follows
-    the weight's layout (padded or raw)."""
+    the weight's layout (padded or raw). variant: a kernels.MMQ_CONFIGS name, optionally with
+    "+split" (the tail split, mmq_grid); default choose_variant. split = (split0, parts)
+    forces a split plan (tests)."""
     import cupy as cp
 
     T, K = act.tokens, act.cols
@@ -115,11 +185,16 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None):
     bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
     k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant), dynamic_smem=smem)
-    grid = ((N + bn - 1) // bn, (T + bm - 1) // bm)
+    g = mmq_grid(kind, variant, T, N, K, split=split)
+    if g.parts > 1:
+        ws, cnt = _split_buffers((g.tiles - g.split0) * g.parts * bm * bn, g.tiles - g.split0)
+    else:
+        ws, cnt = out, out          # never dereferenced without a split
     args = [weight.data, act.q, act.ds, out, np.int32(T), np.int32(N), np.int32(K)]
     if kind == "q6_k":
         args.append(np.int32(weight.block_stride))
-    k(grid, (nth,), tuple(args), shared_mem=smem)
+    args += [np.int32(g.split0), np.int32(g.parts), ws, cnt]
+    k((g.blocks,), (nth,), tuple(args), shared_mem=smem)
     return out
 
 

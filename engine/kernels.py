@@ -56,12 +56,25 @@ def mmq_variants(kind: str) -> list[str]:
     return list(MMQ_CONFIGS[kind])
 
 
+# A variant name may end in MMQ_SPLIT_SUFFIX: the same instance, launched with the tail split
+# (the tiles of the last, partial wave cut along K: engine.gpu_ops.split_plan).
+MMQ_SPLIT_SUFFIX = "+split"
+
+
+def mmq_split_name(variant: str) -> tuple[str, bool]:
+    """(MMQ_CONFIGS name, tail split?) of a variant name."""
+    if variant.endswith(MMQ_SPLIT_SUFFIX):
+        return variant[: -len(MMQ_SPLIT_SUFFIX)], True
+    return variant, False
+
+
 def mmq_config(kind: str, variant: str) -> tuple[int, int, int, int, int, int, int]:
     try:
-        return MMQ_CONFIGS[kind][variant]
+        return MMQ_CONFIGS[kind][mmq_split_name(variant)[0]]
     except KeyError:
         raise KeyError(f"unknown MMQ variant {variant!r} for {kind} "
-                       f"(have {', '.join(MMQ_CONFIGS.get(kind, {}))})") from None
+                       f"(have {', '.join(MMQ_CONFIGS.get(kind, {}))}, each also with "
+                       f"{MMQ_SPLIT_SUFFIX})") from None
 
 
 def mmq_instance(kind: str, variant: str) -> str:

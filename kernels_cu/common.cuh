@@ -285,3 +285,78 @@ __device__ __forceinline__ void mmq_store(float* __restrict__ Y, const float (&a
         }
     }
 }
+
+// ---------------------------------------------------------------- MMQ grid and tail split
+//
+// 1-D grid in launch order; tile t covers weight rows (t % nx) BN.. and tokens (t / nx) BM..
+// (nx = ceil(N / BN): consecutive blocks share a token tile). Tiles t >= split0 (host:
+// engine.gpu_ops.split_plan, the tiles of the last, partial wave) are each computed by
+// `parts` consecutive blocks, part p over the stages [p nst / parts, (p+1) nst / parts), so
+// that wave takes ~1/parts of the time of a whole tile. No split: split0 = tiles, parts = 1.
+struct MmqWork {
+    int n_base, m_base;   // first weight row / token of the tile
+    int s0, s1;           // stages [s0, s1) of this block
+    int slot, part;       // split tile index t - split0 (-1: whole tile) and part
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ MmqWork mmq_work(int N, int nst, int split0, int parts) {
+    const int b = blockIdx.x;
+    MmqWork w;
+    int t = b;
+    w.slot = -1, w.part = 0, w.s0 = 0, w.s1 = nst;
+    if (b >= split0) {
+        w.slot = (b - split0) / parts;
+        w.part = (b - split0) % parts;
+        t = split0 + w.slot;
+        w.s0 = w.part * nst / parts;
+        w.s1 = (w.part + 1) * nst / parts;
+    }
+    const int nx = (N + BN - 1) / BN;
+    w.n_base = (t % nx) * BN;
+    w.m_base = (t / nx) * BM;
+    return w;
+}
+
+// Epilogue of a split tile: every part writes its accumulators to the workspace
+// Wsp [split tiles][parts][MT NT 4][NTH] (f32, coalesced per element), then the last part to
+// arrive (counter Cnt[slot], re-armed to 0 by that block) reads them back and sums them in
+// the fixed order 0, 1, .., parts-1 (the same bits whichever part arrives last; one f32 add
+// per part, within the stated error bound) and returns true: it stores the tile. Whole tiles
+// return true at once.
+template <int MT, int NT, int NTH>
+__device__ __forceinline__ bool mmq_split_reduce(float (&acc)[MT][NT][4], const MmqWork& w, int parts,
+                                                 float* __restrict__ Wsp, u32* __restrict__ Cnt, int tid) {
+    if (w.slot < 0) return true;
+    constexpr int E = MT * NT * 4;
+    float* ws = Wsp + (size_t)w.slot * parts * E * NTH + tid;     // element e of part p: ws[(p E + e) NTH]
+    float* mine = ws + (size_t)w.part * E * NTH;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) __stcg(mine + ((mt * NT + nt) * 4 + i) * NTH, acc[mt][nt][i]);
+    __shared__ u32 last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(Cnt + w.slot, 1u) == (u32)parts - 1u;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+#pragma unroll 1
+    for (int p = 0; p < parts; ++p) {
+        const float* src = ws + (size_t)p * E * NTH;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float x = __ldcg(src + ((mt * NT + nt) * 4 + i) * NTH);
+                    acc[mt][nt][i] = p == 0 ? x : acc[mt][nt][i] + x;
+                }
+    }
+    if (tid == 0) Cnt[w.slot] = 0u;                 // re-armed for the next launch / replay
+    return true;
+}

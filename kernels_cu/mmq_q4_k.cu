@@ -4,6 +4,7 @@
 // Inputs: W uint8 [N, K/256 * 144] (raw GGUF q4_K rows, 16-byte aligned base);
 //         Aq int8 [T, K], Ads float2 [T, K/32] = (d8, s8) (quantize_q8_1.cu);
 //         Y float32 [T, N]. Any T >= 1, N >= 1, K % 256 == 0.
+//         split0, parts, Wsp f32, Cnt u32: the tail split (Grid below).
 // Formula (per 32-element sub-block g = 8 b + j of super-block b, engine.quants
 // mmq_reference_q4_k):
 //   y[t,n] = sum_g  (d[n,b] sc[n,g]) d8[t,g] sum_l q4[n,g,l] q8[t,g,l]
@@ -27,6 +28,10 @@
 //                  is prefetched into registers one stage ahead.
 // One __syncthreads per stage. Ragged T / N: zero-filled tiles (cp.async src-size 0) and
 // guarded stores.
+// Grid: 1-D, one block per output tile, except that the tiles from split0 on (the last,
+// partial wave) are split along K into `parts` blocks whose partial sums meet in the
+// workspace Wsp / counters Cnt (common.cuh mmq_work / mmq_split_reduce; the host plan is
+// engine.gpu_ops.split_plan). Without a split: split0 = number of tiles, parts = 1.
 #include "common.cuh"
 
 template <int MT, int NT, int WM, int WN, int KS>
@@ -47,7 +52,8 @@ struct Q4KLayout {
 template <int MT, int NT, int WM, int WN, int MINB, int KS, int TCMIN>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
-         float* __restrict__ Y, int T, int N, int K) {
+         float* __restrict__ Y, int T, int N, int K,
+         int split0, int parts, float* __restrict__ Wsp, u32* __restrict__ Cnt) {
     using S = MmqShape<MT, NT, WM, WN, KS>;
     using L = Q4KLayout<MT, NT, WM, WN, KS>;
     constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN, NC = S::NC, RB = L::RB;
@@ -63,8 +69,9 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     const int g = lane >> 2, tig = lane & 3;
     const int wm = warp / WN, wn = warp % WN;
     const int m0 = wm * MT * 16, n0 = wn * NT * 8;
-    const int n_base = blockIdx.x * BN, m_base = blockIdx.y * BM;
-    const int nst = K / KS;
+    const MmqWork wk = mmq_work<BM, BN>(N, K / KS, split0, parts);
+    const int n_base = wk.n_base, m_base = wk.m_base;
+    const int s0 = wk.s0, s1 = wk.s1;               // this block's stages
     const size_t rb = (size_t)(K >> 8) * 144;
     const u32 sbase = smem_u32(smem);
 
@@ -144,19 +151,19 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-    // ---- prologue: stage 0 in flight, table 0 written, header 1 in registers
-    stage(0, 0);
+    // ---- prologue: stage s0 in flight, table s0 written, header s0+1 in registers
+    stage(s0, 0);
     cp_async_commit();
-    load_hdr(0);
-    write_tab(0, 0);
-    if (nst > 1) load_hdr(1);
+    load_hdr(s0);
+    write_tab(s0, 0);
+    if (s0 + 1 < s1) load_hdr(s0 + 1);
 
     const int lr = lane & 7;
-    for (int s = 0; s < nst; ++s) {
-        const int bs = s & 1;
+    for (int s = s0; s < s1; ++s) {
+        const int bs = (s - s0) & 1;
         cp_async_wait<0>();                       // this thread's copies of stage s landed
         __syncthreads();                          // everyone's; stage s-1 fully consumed
-        if (s + 1 < nst) stage(s + 1, bs ^ 1);
+        if (s + 1 < s1) stage(s + 1, bs ^ 1);
         cp_async_commit();
 
         const u32 sA = sbase + bs * S::A_BYTES;
@@ -265,11 +272,12 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
             }
         }
 
-        if (s + 1 < nst) {
+        if (s + 1 < s1) {
             write_tab(s + 1, bs ^ 1);
-            if (s + 2 < nst) load_hdr(s + 2);
+            if (s + 2 < s1) load_hdr(s + 2);
         }
     }
 
-    mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
+    if (mmq_split_reduce<MT, NT, NTH>(acc, wk, parts, Wsp, Cnt, tid))
+        mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
 }

@@ -5,6 +5,7 @@
 //         bytes + 14 zero bytes, every block 16-byte aligned);
 //         Aq int8 [T, K], Ads float2 [T, K/32] = (d8, s8) (quantize_q8_1.cu);
 //         Y float32 [T, N]. Any T >= 1, N >= 1, K % 256 == 0.
+//         split0, parts, Wsp f32, Cnt u32: the tail split (Grid below).
 // Formula (16-element sub-blocks j; q8_1 block g = j / 2; engine.quants mmq_reference_q6_k):
 //   y[t,n] = sum_g d8[t,g] * ( (d sc[n,2g]) dot16_lo + (d sc[n,2g+1]) dot16_hi )
 //   dot16 = sum over 16 elements of (q6 - 32) * q8.
@@ -27,6 +28,11 @@
 // sTab [KS/32][BN] float2 (dsc_lo, dsc_hi) per row and q8_1 block of the stage, 2 buffers
 // (-M dsc is formed in registers: shared-memory bandwidth is the tighter limit).
 // A (activations) as in mmq_q4_k.cu: cp.async, 2 buffers; one __syncthreads per stage.
+//
+// Grid: 1-D, one block per output tile, except that the tiles from split0 on (the last,
+// partial wave) are split along K into `parts` blocks whose partial sums meet in the
+// workspace Wsp / counters Cnt (common.cuh mmq_work / mmq_split_reduce; the host plan is
+// engine.gpu_ops.split_plan). Without a split: split0 = number of tiles, parts = 1.
 #include "common.cuh"
 
 template <int MT, int NT, int WM, int WN, int KS>
@@ -43,7 +49,8 @@ struct Q6KLayout {
 template <int MT, int NT, int WM, int WN, int MINB, int KS, int UNR>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
-         float* __restrict__ Y, int T, int N, int K, int bstride) {
+         float* __restrict__ Y, int T, int N, int K, int bstride,
+         int split0, int parts, float* __restrict__ Wsp, u32* __restrict__ Cnt) {
     using S = MmqShape<MT, NT, WM, WN, KS>;
     using L = Q6KLayout<MT, NT, WM, WN, KS>;
     constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN, NC = S::NC;
@@ -58,8 +65,9 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     const int g = lane >> 2, tig = lane & 3;
     const int wm = warp / WN, wn = warp % WN;
     const int m0 = wm * MT * 16, n0 = wn * NT * 8;
-    const int n_base = blockIdx.x * BN, m_base = blockIdx.y * BM;
-    const int nst = K / KS;
+    const MmqWork wk = mmq_work<BM, BN>(N, K / KS, split0, parts);
+    const int n_base = wk.n_base, m_base = wk.m_base;
+    const int s0 = wk.s0, s1 = wk.s1;               // this block's stages
     const size_t rb = (size_t)(K >> 8) * bstride;
     const bool padded = (bstride & 15) == 0;       // the uint4 gate
     const u32 sbase = smem_u32(smem);
@@ -154,19 +162,19 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-    // ---- prologue: stage 0 of A in flight, B/table 0 expanded, B 1 in registers
-    mmq_stage_a<BM, NTH, KS>(sbase, sbase + L::OFF_ADS, Aq, Ads, m_base, T, K, 0, tid);
+    // ---- prologue: stage s0 of A in flight, B/table s0 expanded, B s0+1 in registers
+    mmq_stage_a<BM, NTH, KS>(sbase, sbase + L::OFF_ADS, Aq, Ads, m_base, T, K, s0, tid);
     cp_async_commit();
-    load_b(0);
-    store_b(0, 0);
-    if (nst > 1) load_b(1);
+    load_b(s0);
+    store_b(s0, 0);
+    if (s0 + 1 < s1) load_b(s0 + 1);
 
     const int lr = lane & 7;
-    for (int s = 0; s < nst; ++s) {
-        const int bs = s & 1;
+    for (int s = s0; s < s1; ++s) {
+        const int bs = (s - s0) & 1;
         cp_async_wait<0>();
         __syncthreads();
-        if (s + 1 < nst)
+        if (s + 1 < s1)
             mmq_stage_a<BM, NTH, KS>(sbase + (bs ^ 1) * S::A_BYTES, sbase + L::OFF_ADS + (bs ^ 1) * S::ADS_BYTES,
                                      Aq, Ads, m_base, T, K, s + 1, tid);
         cp_async_commit();
@@ -221,11 +229,12 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
             }
         }
 
-        if (s + 1 < nst) {
+        if (s + 1 < s1) {
             store_b(s + 1, bs ^ 1);
-            if (s + 2 < nst) load_b(s + 2);
+            if (s + 2 < s1) load_b(s + 2);
         }
     }
 
-    mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
+    if (mmq_split_reduce<MT, NT, NTH>(acc, wk, parts, Wsp, Cnt, tid))
+        mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
 }

@@ -203,6 +203,79 @@ def test_mmq_q6_k_raw_and_padded(cp, rng, variant, T, N, K):
     assert ident == 0, f"raw vs padded: {ident} elements differ"
 
 
+# ----------------------------------------------------------------------------- MMQ tail split
+
+# (T, N, K, (split0, parts)); split0 < 0 counts from the number of tiles. K = 768 is 3 stages
+# of 256 (6 of 128): uneven parts; the last tile is ragged in T and N for every tile shape.
+SPLIT_CASES = [(130, 129, 768, (0, 2)), (130, 129, 768, (-1, 3)), (200, 300, 1024, (-3, 4))]
+
+
+def _mmq_y(cp, w_dev, act, T, N, variant, split):
+    from engine import gpu_ops
+
+    y = cp.full((T, N), np.nan, dtype=cp.float32)                      # poison
+    gpu_ops.mmq(w_dev, act, out=y, variant=variant, split=split)
+    return cp.asnumpy(y)
+
+
+@pytest.mark.parametrize("kind,variant", [(k, v) for k in ("q4_k", "q6_k") for v in _variants(k)])
+@pytest.mark.parametrize("T,N,K,plan", SPLIT_CASES)
+def test_mmq_split(cp, rng, kind, variant, T, N, K, plan):
+    """Forced split plans: within the bound, the same bits on a second launch (deterministic
+    sum order; counters re-armed, else the second launch leaves the poison), q6_K raw ==
+    padded."""
+    from engine import gpu_ops, kernels
+    from engine.gpu_weights import upload_weight
+
+    tiles = gpu_ops.mmq_grid(kind, variant, T, N, K).tiles
+    split = (plan[0] % tiles if plan[0] < 0 else plan[0], plan[1])
+    w = rand_rows(rng, kind, N, K)
+    x = rand_act(rng, T, K)
+    q, d, s = Q.quantize_q8_1(x)
+    act = gpu_ops.quantize_q8_1(cp.asarray(x))
+    layouts = [("raw", upload_weight(w, kind.upper(), pad_q6k=False))]
+    if kind == "q6_k":
+        layouts.append(("padded", upload_weight(w, "Q6_K", pad_q6k=True)))
+    ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
+    S = abs_terms(kind, w, q, d, s)
+    ys = []
+    for label, wd in layouts:
+        y1 = _mmq_y(cp, wd, act, T, N, variant, split)
+        y2 = _mmq_y(cp, wd, act, T, N, variant, split)
+        _check_gemm(kind, variant + kernels.MMQ_SPLIT_SUFFIX, T, N, K, y1, ref, S, label)
+        rerun = int((y1.view(np.uint32) != y2.view(np.uint32)).sum())
+        assert rerun == 0, f"{kind}/{label}/{variant} split {split}: {rerun} elements differ on a rerun"
+        ys.append(y1)
+    if kind == "q6_k":
+        assert np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32)), "raw vs padded differ"
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_mmq_split_auto(cp, rng, kind):
+    """The "+split" production variant on a grid with a small partial last wave on this
+    device (2 tile columns, tokens for SMs + 1..2 tiles)."""
+    from engine import gpu_ops, kernels
+    from engine.gpu_weights import upload_weight
+
+    variant = gpu_ops.DEFAULT_VARIANT[kind] + kernels.MMQ_SPLIT_SUFFIX
+    bm, bn, _ = kernels.mmq_tile(kind, variant)
+    N, K = bn + 8, 512
+    T = bm * (gpu_ops._sm_count() // 2 + 1) - 7
+    g = gpu_ops.mmq_grid(kind, variant, T, N, K)
+    assert g.parts >= 2 and g.split0 < g.tiles, g
+    w = rand_rows(rng, kind, N, K)
+    x = rand_act(rng, T, K)
+    q, d, s = Q.quantize_q8_1(x)
+    wd = upload_weight(w, kind.upper())
+    act = gpu_ops.quantize_q8_1(cp.asarray(x))
+    y1 = _mmq_y(cp, wd, act, T, N, variant, None)
+    y2 = _mmq_y(cp, wd, act, T, N, variant, None)
+    ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
+    _check_gemm(kind, variant, T, N, K, y1, ref, abs_terms(kind, w, q, d, s),
+                "padded" if kind == "q6_k" else "raw")
+    assert np.array_equal(y1.view(np.uint32), y2.view(np.uint32))
+
+
 def test_linear_matches_two_steps(cp, rng):
     from engine import gpu_ops
     from engine.gpu_weights import upload_weight

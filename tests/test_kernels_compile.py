@@ -68,3 +68,62 @@ def test_choose_variant_rule():
     for kind in ("q4_k", "q6_k"):
         for v in (gpu_ops.SMALL_VARIANT[kind], gpu_ops.DEFAULT_VARIANT[kind]):
             assert v in kernels.mmq_variants(kind)
+
+
+def test_split_variant_names():
+    for kind in ("q4_k", "q6_k"):
+        for v in kernels.mmq_variants(kind):
+            sv = v + kernels.MMQ_SPLIT_SUFFIX
+            assert kernels.mmq_split_name(sv) == (v, True) and kernels.mmq_split_name(v) == (v, False)
+            assert kernels.mmq_instance(kind, sv) == kernels.mmq_instance(kind, v)
+            assert kernels.mmq_smem_bytes(kind, sv) == kernels.mmq_smem_bytes(kind, v)
+    with pytest.raises(KeyError):
+        kernels.mmq_config("q6_k", "m128n128w8_k256+splat")
+
+
+def test_split_plan():
+    from engine import gpu_ops
+    # no partial wave, or a tail too large to cut: no split
+    assert gpu_ops.split_plan(264, 132, 16) == (264, 1)
+    assert gpu_ops.split_plan(2236, 132, 16) == (2236, 1)        # tail 124: 2 parts > 132 slots
+    assert gpu_ops.split_plan(128, 132, 16) == (128, 1)
+    assert gpu_ops.split_plan(832, 132, 1) == (832, 1)           # one stage: nothing to cut
+    # N = 4096, T = 3314 on 132 SMs, 128x128 tiles: 832 = 6 x 132 + 40 -> 3 parts of 40 tiles
+    assert gpu_ops.split_plan(832, 132, 16) == (792, 3)
+    assert gpu_ops.split_plan(832, 132, 2) == (792, 2)           # parts <= stages
+    assert gpu_ops.split_plan(6500, 132, 16) == (6468, 4)        # parts <= SPLIT_MAX_PARTS
+    for tiles in range(1, 700):
+        for stages in (1, 2, 3, 16, 43):
+            split0, parts = gpu_ops.split_plan(tiles, 132, stages)
+            if parts > 1:
+                assert split0 % 132 == 0 and 0 < (tiles - split0) * parts <= 132 and parts <= stages
+            else:
+                assert split0 == tiles
+
+
+def test_mmq_grid():
+    from engine import gpu_ops
+    g = gpu_ops.mmq_grid("q6_k", "m128n128w8_k256", 3314, 4096, 4096, sm_count=132)
+    assert g == gpu_ops.MmqGrid(832, 832, 1, 832, 7.0)
+    g = gpu_ops.mmq_grid("q6_k", "m128n128w8_k256+split", 3314, 4096, 4096, sm_count=132)
+    assert (g.tiles, g.split0, g.parts, g.blocks) == (832, 792, 3, 792 + 3 * 40)
+    assert g.waves == 6 + 6 / 16                                 # stages 5, 5, 6 of 16
+    # 2 blocks per SM (m64n128): slots = 264
+    g = gpu_ops.mmq_grid("q6_k", "m64n128+split", 3314, 4096, 4096, sm_count=132)
+    assert (g.tiles, g.split0, g.parts) == (1664, 1584, 3)
+    # forced plans (tests): every tile split; out-of-range plans refused
+    g = gpu_ops.mmq_grid("q4_k", "m64n128tc_k256", 130, 129, 768, sm_count=132, split=(0, 3))
+    assert (g.tiles, g.split0, g.parts, g.blocks) == (6, 0, 3, 18)
+    with pytest.raises(ValueError):
+        gpu_ops.mmq_grid("q4_k", "m64n128tc_k256", 130, 129, 768, sm_count=132, split=(0, 4))
+    with pytest.raises(ValueError):
+        gpu_ops.mmq_grid("q4_k", "m64n128tc_k256", 130, 129, 768, sm_count=132, split=(7, 2))
+
+
+def test_choose_variant_split_flag(monkeypatch):
+    from engine import gpu_ops
+    monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q6_k", True)
+    assert gpu_ops.choose_variant("q6_k", 3314, 4096, sm_count=132) == \
+        gpu_ops.DEFAULT_VARIANT["q6_k"] + kernels.MMQ_SPLIT_SUFFIX
+    assert gpu_ops.choose_variant("q6_k", 64, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
+    assert gpu_ops.choose_variant("q4_k", 3314, 4096, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q4_k"]
