@@ -1,13 +1,15 @@
 """GEMM microbenchmark: the MMQ kernels on the 7B shapes against cuBLAS on f16 weights.
 
-    python -m engine.gemm_bench [--tokens 512,3314] [--variants all|NAME,..] [--reps 20]
-                                [--json OUT.json]
+    python -m engine.gemm_bench [--tokens 512,3314] [--variants all|default|NAME,..] [--reps 20]
+                                [--shapes 7b|sweep|KIND:NxK,..] [--json OUT.json]
 
 For each (kind, N x K) and token count T: random valid blocks (random bytes, sane f16 scales),
 x ~ N(0, 1) quantized on the device; times (CUDA events, median of --reps after 3 warm-ups,
 L2 flushed by a 256 MB memset before every timed run) of
   - quantize_q8_1 of x [T, K],
-  - mmq for each tile variant,
+  - mmq for each tile variant (a NAME+split variant: the same instance with the tail split,
+    engine.gpu_ops.split_plan; the `waves` column is gpu_ops.mmq_grid's predicted duration in
+    whole-tile waves),
   - cupy.matmul(x16 [T, K], W16^T) with W16 the host-dequantized weights in f16 (cuBLAS),
 and the same-run ratio = cuBLAS ms / MMQ ms (the MMQ rate as a fraction of cuBLAS's).
 Each MMQ output is checked on 16 sampled weight rows against engine.quants' float64 oracle
@@ -38,6 +40,22 @@ SHAPES_7B = [
 
 # token sweep of the production variants (gpu_ops.choose_variant) on the two largest shapes
 SHAPES_SWEEP = [("q4_k", 11008, 4096), ("q6_k", 4096, 11008)]
+
+
+def parse_shapes(spec: str) -> list[tuple[str, int, int]]:
+    """'7b' | 'sweep' | 'q6_k:4096x4096,q4_k:4096x11008' -> [(kind, N, K)]."""
+    if spec == "7b":
+        return SHAPES_7B
+    if spec == "sweep":
+        return SHAPES_SWEEP
+    out = []
+    for item in spec.split(","):
+        kind, _, nk = item.partition(":")
+        n, _, k = nk.partition("x")
+        if kind not in ("q4_k", "q6_k") or not (n.isdigit() and k.isdigit()) or int(k) % 256:
+            raise ValueError(f"--shapes: bad item {item!r} (want q4_k|q6_k:NxK, K % 256 == 0)")
+        out.append((kind, int(n), int(k)))
+    return out
 
 
 def random_blocks(rng, kind: str, n_rows: int, K: int, special: bool = True) -> np.ndarray:
@@ -96,7 +114,9 @@ def error_bound(kind: str, variant: str, K: int, S, S_min):
     K/32 (q4_K: 2K/32) terms are summed in float32: gamma_n with n <= K/16 + 3, so
     (K/16 + 4) u S. The "tc" variants compute each stage's min term on TF32 tensor cores
     with s8 split hi + lo (representation error <= 2^-22 |s8|, products exact) and f32
-    accumulation of 8 products (<= 8 x 2^-22 of their magnitude): + 40 u S_min."""
+    accumulation of 8 products (<= 8 x 2^-22 of their magnitude): + 40 u S_min.
+    The tail split ("+split") sums each part's terms, then the P parts in order: a term sees
+    at most (its part's terms) + 3 + (P - 1) <= K/16 + 3 roundings, the same bound."""
     from engine.kernels import mmq_uses_tc
     b = (K / 16 + 4) * U32 * S
     if mmq_uses_tc(kind, variant):
@@ -170,7 +190,7 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             vlist = ([gpu_ops.choose_variant(kind, T, N)] if variants == ["default"]
                      else (variants or kernels.mmq_variants(kind)))
             for v in vlist:
-                if v not in kernels.mmq_variants(kind):
+                if kernels.mmq_split_name(v)[0] not in kernels.mmq_variants(kind):
                     continue
                 y = cp.empty((T, N), dtype=cp.float32)
                 tm = timer(lambda: gpu_ops.mmq(wd, act, out=y, variant=v))
@@ -185,8 +205,11 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                 err = np.abs(ys - ref)
                 ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(kind, v, K, S, S_min)))
                 ops = 2.0 * T * N * K
+                grid = gpu_ops.mmq_grid(kind, v, T, N, K)
                 row = {
                     "kind": kind, "N": N, "K": K, "T": T, "variant": v,
+                    "tiles": grid.tiles, "split0": grid.split0, "parts": grid.parts,
+                    "waves": grid.waves,
                     "mmq_ms": tm["median_ms"], "mmq_min_ms": tm["min_ms"], "mmq_max_ms": tm["max_ms"],
                     "mmq_tops": ops / tm["median_ms"] * 1e-9,
                     "cublas_ms": tc["median_ms"], "cublas_tflops": ops / tc["median_ms"] * 1e-9,
@@ -202,12 +225,13 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
     return rows
 
 
-HEADER = (f"{'kind':5s} {'N x K':>11s} {'T':>5s} {'variant':11s} {'mmq ms':>8s} {'TOP/s':>7s} "
-          f"{'cuBLAS ms':>9s} {'TFLOP/s':>7s} {'ratio':>6s} {'q8 ms':>6s} ok")
+HEADER = (f"{'kind':5s} {'N x K':>11s} {'T':>5s} {'variant':23s} {'waves':>6s} {'mmq ms':>8s} "
+          f"{'TOP/s':>7s} {'cuBLAS ms':>9s} {'TFLOP/s':>7s} {'ratio':>6s} {'q8 ms':>6s} ok")
 
 
 def fmt_row(r: dict) -> str:
-    return (f"{r['kind']:5s} {r['N']:>5d}x{r['K']:<5d} {r['T']:>5d} {r['variant']:11s} "
+    return (f"{r['kind']:5s} {r['N']:>5d}x{r['K']:<5d} {r['T']:>5d} {r['variant']:23s} "
+            f"{r.get('waves', float('nan')):6.2f} "
             f"{r['mmq_ms']:8.3f} {r['mmq_tops']:7.1f} {r['cublas_ms']:9.3f} {r['cublas_tflops']:7.1f} "
             f"{r['ratio']:6.3f} {r['quant_ms']:6.3f} {'yes' if r['verified'] else 'NO'}")
 
@@ -221,13 +245,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="512,3314")
     ap.add_argument("--variants", default="all",
                     help="all | default (gpu_ops.choose_variant per T) | NAME,NAME")
-    ap.add_argument("--shapes", default="7b", help="7b (SHAPES_7B) | sweep (SHAPES_SWEEP)")
+    ap.add_argument("--shapes", default="7b",
+                    help="7b (SHAPES_7B) | sweep (SHAPES_SWEEP) | KIND:NxK,.. (e.g. q6_k:4096x4096)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     variants = None if a.variants == "all" else a.variants.split(",")
-    shapes = SHAPES_7B if a.shapes == "7b" else SHAPES_SWEEP
+    try:
+        shapes = parse_shapes(a.shapes)
+    except ValueError as e:
+        ap.error(str(e))
     import cupy as cp
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -236,7 +264,10 @@ def main(argv=None) -> int:
           f"{props['multiProcessorCount']} SMs; cupy {cp.__version__}")
     from engine import kernels
     for kind in ("q4_k", "q6_k"):
-        for v in (variants or kernels.mmq_variants(kind)):
+        if kind not in {sk for sk, _, _ in shapes}:
+            continue
+        names = [kernels.mmq_split_name(v)[0] for v in (variants or kernels.mmq_variants(kind))]
+        for v in dict.fromkeys(names):
             if v not in kernels.mmq_variants(kind):
                 continue
             k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, v),
