@@ -11,7 +11,7 @@ A decode step (one token at position p = KV length before it) is:
         x += Wo o                                      mmvq (add)
         a = q8_1(rmsnorm(x) * ffn_norm)                rmsnorm_q8
         h = silu(Wg a) * (Wu a)                        mmvq (swiglu: gate and up in one launch)
-        x += Wd q8_1(h)                                quantize_q8_1.cu + mmvq (add)
+        x += Wd q8_1(h)                                quantize_row_q8 + mmvq (add)
     logits = Wout q8_1(rmsnorm(x) * output_norm)       rmsnorm_q8 + mmvq (store)
     token = argmax(logits); p += 1                     argmax.cu  (writes the next step's input)
 
@@ -45,11 +45,6 @@ from engine.config import ModelConfig
 from engine.errors import GGUFError
 
 MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
-# q8_1 block sum of the step's activations: "q" -> s = d * sum(q) (ggml's CPU q8_1: the q4_K
-# min term then cancels exactly, GEMV = dequant(W) . dequant(x)); "x" -> s = sum(x) (the
-# engine.quants / quantize_q8_1.cu contract). "q" measured about 3x closer to the float32
-# reference's logits on a real-weight slice (decode_fused.cu header).
-ACT_SUM = "q"
 ATT_TK = 64               # keys per attention tile (attention_decode.cu)
 NORM_MAX = 8192           # MMVQ addnorm: longest vector its last block normalizes
 DEFAULT_ROWS_PER_WARP = 2
@@ -194,7 +189,7 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
     add:     one matrix, outs[0] += W x.
     swiglu:  weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
     addnorm: add, then the launch's last block writes q8_1(rmsnorm(outs[0]) * nw) with
-             norm = (nw, eps, oq, ods, sum_q, counter uint32[1], zero between launches).
+             norm = (nw, eps, oq, ods, counter uint32[1], zero between launches).
     """
     w0 = weights[0]
     kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
@@ -224,10 +219,10 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
     ys = list(outs) + [outs[0]] * (3 - len(outs))
     ns = [int(w.rows) for w in segs] + [0] * (3 - len(segs))
     if norm is None:
-        tail = (_null(), np.float32(0), _null(), _null(), np.int32(0), _null())
+        tail = (_null(), np.float32(0), _null(), _null(), _null())
     else:
-        nw, eps, oq, ods, sum_q, counter = norm
-        tail = (nw, np.float32(eps), oq, ods, np.int32(bool(sum_q)), counter)
+        nw, eps, oq, ods, counter = norm
+        tail = (nw, np.float32(eps), oq, ods, counter)
     name = DK.mmvq_name(kind, rows_per_warp, mode, padded, unroll)
     k = _k("mmvq_q4_k.cu" if kind == "q4_k" else "mmvq_q6_k.cu", name)
     if grid:
@@ -246,28 +241,26 @@ def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) 
 
 def attention_launch(q, k_layer, v_layer, tok_stride: int, head_stride: int, pos_dev,
                      n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_split: int,
-                     part_o, part_ml, oq, ods, out=None, sum_q: bool = True, counters=None) -> None:
+                     part_o, part_ml, oq, ods, out=None, counters=None) -> None:
     """Decode attention of q [H, hd] (float32) over keys 0..pos (pos read on the device):
     split kernel + combine kernel (or, with `counters` uint32 [KVH] zeroed, the combine fused
-    into the split kernel's last block per KV head); writes q8_1 (oq, ods; s per `sum_q`, see
-    ACT_SUM) and, if given, float32 `out`."""
+    into the split kernel's last block per KV head); writes q8_1 (oq, ods) and, if given,
+    float32 `out`."""
     group = n_heads // n_kv_heads
     if group not in DK.ATTN_GROUPS or head_dim not in DK.ATTN_HEAD_DIMS:
         raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
                         f"is not compiled (groups {DK.ATTN_GROUPS}, head sizes {DK.ATTN_HEAD_DIMS})")
     scale = np.float32(1.0 / np.sqrt(head_dim))
     o = out if out is not None else _null()
-    sq = np.int32(bool(sum_q))
     ks = _k("attention_decode.cu", DK.attn_split_name(head_dim, group, kv_dtype))
     if counters is not None:
         ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                           pos_dev, scale, part_o, part_ml, counters, o, oq, ods, sq))
+                                           pos_dev, scale, part_o, part_ml, counters, o, oq, ods))
         return
     ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                       pos_dev, scale, part_o, part_ml, _null(), _null(), _null(), _null(),
-                                       np.int32(0)))
+                                       pos_dev, scale, part_o, part_ml, _null(), _null(), _null(), _null()))
     kc = _k("attention_decode.cu", DK.attn_combine_name(head_dim))
-    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), o, oq, ods, sq))
+    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), o, oq, ods))
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -315,7 +308,7 @@ class DecodePlan:
 
     def __init__(self, weights: DecodeWeights, k_layers, v_layers, tok_stride: int, head_stride: int,
                  kv_dtype: str, max_tokens: int, rows_per_warp: int = DEFAULT_ROWS_PER_WARP,
-                 n_split: int | None = None, hist_cap: int = 4096, act_sum: str = ACT_SUM,
+                 n_split: int | None = None, hist_cap: int = 4096,
                  unroll: int | None = None, fuse_combine: bool | None = None, fuse_norm: bool | None = None):
         cp = _cp()
         from engine.gpu_ops import Q8Act
@@ -332,9 +325,6 @@ class DecodePlan:
         DK.mmvq_name("q4_k", rows_per_warp, "store", unroll=self.unroll)      # a compiled variant?
         self.fuse_combine = FUSE_COMBINE if fuse_combine is None else bool(fuse_combine)
         self.fuse_norm = (FUSE_NORM if fuse_norm is None else bool(fuse_norm)) and cfg.d_model <= NORM_MAX
-        if act_sum not in ("q", "x"):
-            raise ValueError("act_sum must be 'q' or 'x'")
-        self.sum_q = np.int32(act_sum == "q")
         self.n_split = n_split or attention_splits(self.max_tokens, cfg.n_kv_heads)
         d, qd, kvd, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
         f32 = np.float32
@@ -395,13 +385,12 @@ class DecodePlan:
         q_out, k_out, v_out = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
 
         def norm(nw):            # rmsnorm(x) * nw -> act_d
-            rms((1,), (1024,), (self.x, nw, self.eps, np.int32(d), self.act_d.q, self.act_d.ds, _null(),
-                                self.sum_q))
+            rms((1,), (1024,), (self.x, nw, self.eps, np.int32(d), self.act_d.q, self.act_d.ds, _null()))
 
         def add_norm(wt, act, nw):   # x += W act, then act_d = q8_1(rmsnorm(x) * nw)
             if self.fuse_norm:
                 mmvq_launch([wt], [self.x], act.q, act.ds, "addnorm", R, U,
-                            norm=(nw, self.eps, self.act_d.q, self.act_d.ds, self.sum_q, self.norm_counter))
+                            norm=(nw, self.eps, self.act_d.q, self.act_d.ds, self.norm_counter))
             else:
                 mmvq_launch([wt], [self.x], act.q, act.ds, "add", R, U)
                 norm(nw)
@@ -426,7 +415,7 @@ class DecodePlan:
             attention_launch(self.qrot, self.k_layers[i], self.v_layers[i], self.tok_stride, self.head_stride,
                              self.state[1:2], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype,
                              self.n_split, self.part_o, self.part_ml, self.act_q.q, self.act_q.ds,
-                             sum_q=bool(self.sum_q), counters=self.att_counters if self.fuse_combine else None)
+                             counters=self.att_counters if self.fuse_combine else None)
             add_norm(L.attn_output, self.act_q, L.ffn_norm)
             if self._same_launch(L.ffn_gate, L.ffn_up):
                 mmvq_launch([L.ffn_gate, L.ffn_up], [self.hff], self.act_d.q, self.act_d.ds, "swiglu", R, U)
@@ -437,7 +426,7 @@ class DecodePlan:
                 _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
                                                                                np.int32(ff)))
             qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
-                                                  np.int32(cfg.d_ff // 32), self.sum_q))
+                                                  np.int32(cfg.d_ff // 32)))
             nxt = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.output_norm
             add_norm(L.ffn_down, self.act_ff, nxt)
         mmvq_launch([w.output], [self.logits], self.act_d.q, self.act_d.ds, "store", R, U)
@@ -538,7 +527,7 @@ class DecodeModel:
 
     def __init__(self, model_file, pad_q6k: bool = True, kv_dtype: str = "f16",
                  use_graph: bool = True, progress: bool = False, **plan_kw):
-        """plan_kw: DecodePlan options (rows_per_warp, unroll, fuse_combine, fuse_norm, act_sum)
+        """plan_kw: DecodePlan options (rows_per_warp, unroll, fuse_combine, fuse_norm)
         for the plans of new caches."""
         self.file = model_file
         self.config = model_file.config

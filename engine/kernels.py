@@ -1,7 +1,8 @@
 """Load kernels_cu/*.cu, compile them with NVRTC through CuPy (per device, cached), and a
 CPU-only compile check with the same source assembly, options and template instances.
 
-Source assembly: each .cu file includes "common.cuh"; that line is replaced by the header's
+Source assembly: each .cu file includes "common.cuh" (and the decode kernels
+"decode_common.cuh"); each `#include "X.cuh"` of a kernels_cu header is replaced by the header's
 text between `#line` directives, so compiler messages name the real file and line, no include
 path is needed, and CuPy's source-keyed kernel cache sees header edits.
 
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
-COMMON_HEADER = "common.cuh"
 
 # Options we pass; CuPy appends -arch=sm_XX, -ftz=true and --device-as-default-execution-space.
 OPTIONS: tuple[str, ...] = ("--std=c++17",)
@@ -131,14 +131,14 @@ def kernel_files() -> list[str]:
 
 
 def source(fname: str) -> str:
-    """The assembled source of kernels_cu/<fname> (common.cuh inlined with #line)."""
+    """The assembled source of kernels_cu/<fname> (its kernels_cu headers inlined with #line)."""
     path = KERNEL_DIR / fname
-    lines = path.read_text().splitlines()
     out = [f'#line 1 "{path}"']
-    inc = re.compile(r'^\s*#\s*include\s+"' + re.escape(COMMON_HEADER) + r'"')
-    header_path = KERNEL_DIR / COMMON_HEADER
-    for i, line in enumerate(lines):
-        if inc.match(line):
+    inc = re.compile(r'^\s*#\s*include\s+"([\w.]+\.cuh)"')
+    for i, line in enumerate(path.read_text().splitlines()):
+        m = inc.match(line)
+        if m:
+            header_path = KERNEL_DIR / m.group(1)
             out.append(f'#line 1 "{header_path}"')
             out.extend(header_path.read_text().splitlines())
             out.append(f'#line {i + 2} "{path}"')

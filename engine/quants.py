@@ -35,7 +35,7 @@ aligned base every block (224 = 14 * 16) starts 16-byte aligned (uint4 loads on 
 
 q8_1 (activations, QK8_1 = 32 values per block; kept as three planes, not packed):
     d = amax / 127 (float32), q = roundf(x / d) (half away from zero, q = 0 when d == 0),
-    s = float32 sum of the 32 inputs in warp-butterfly order (see quantize_q8_1).
+    s = d * sum(q) (float32 product of d and the exact integer sum; see quantize_q8_1).
 """
 
 from __future__ import annotations
@@ -271,39 +271,43 @@ def unpack_q6_k_padded(padded: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- q8_1
 
-def _butterfly(v: np.ndarray, op) -> np.ndarray:
-    """Warp xor-butterfly over the last axis (32 lanes): for off in 16,8,4,2,1:
-    v_i = op(v_i, v_{i^off}); returns lane 0. Each step is one float32 op per lane."""
-    lanes = np.arange(QK8_1)
-    for off in (16, 8, 4, 2, 1):
-        v = op(v, v[..., lanes ^ off])
-    return v[..., 0]
-
-
 def quantize_q8_1(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """float32 [T, K] -> (q int8 [T, K], d float32 [T, K/32], s float32 [T, K/32]).
 
-    Defined exactly as the CUDA kernel computes it (one warp per 32-value block, lane i holds
-    x_i), so a GPU implementation can reproduce it bit for bit:
-        amax = butterfly max of |x_i|        (order irrelevant for max)
-        s    = butterfly float32 sum: s_i = x_i; for off in 16, 8, 4, 2, 1:
-               s_i = s_i + s_{i ^ off}; s = s_0
+    The one q8_1 definition of every backend (numpy, quantize_q8_1.cu, and every kernel that
+    writes q8_1 in its epilogue), reproducible bit for bit on the GPU:
+        amax = max |x_i|
         d    = amax / 127.0f                 (float32 division)
         q_i  = 0 if amax == 0 else roundf(x_i / d)   (float32 division, then round half
                                                        away from zero)
+        s    = d * sum_i q_i                 (the integer sum is exact, |sum| <= 4064; one
+                                              float32 rounding)
+    Why s = d * sum(q) and not llama.cpp CUDA's float sum of the inputs: the q4_K min term
+    dmin*m*s then cancels against the quantized inputs exactly, so an MMQ/MMVQ output equals
+    dequant(W) . dequant(x). With s = sum(x) it carries an extra dmin*m*sum(x - dequant(x)):
+    measured on a real-weight slice of the default model, the prefill logit error against the
+    float32 reference was 7.96e-2 with sum(x) and 2.35e-2 with d*sum(q) (docs/perf-log.md).
+    It is also ggml's CPU q8_1 definition.
     """
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] % QK8_1:
         raise ValueError(f"quantize_q8_1: expected [T, K] with K % 32 == 0, got {x.shape}")
     T, K = x.shape
     xb = x.reshape(T, K // QK8_1, QK8_1)
-    amax = _butterfly(np.abs(xb), np.maximum)
-    s = _butterfly(xb, np.add).astype(np.float32)
+    amax = np.abs(xb).max(axis=-1)
     d = (amax / np.float32(127.0)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         v = (xb / d[..., None]).astype(np.float32)
     q = np.where(amax[..., None] == 0, 0.0, _round_half_away(np.where(amax[..., None] == 0, 0, v)))
-    return q.astype(np.int8).reshape(T, K), d, s
+    q = q.astype(np.int8).reshape(T, K)
+    return q, d, q8_1_block_sum(q, d)
+
+
+def q8_1_block_sum(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """s of q8_1 blocks (q int8 [..., K], d [..., K/32]) -> float32 [..., K/32] = d * sum(q),
+    the integer sum exact, one float32 rounding."""
+    qs = np.asarray(q).reshape(*q.shape[:-1], -1, QK8_1).sum(-1, dtype=np.int32).astype(np.float32)
+    return (np.asarray(d, dtype=np.float32) * qs).astype(np.float32)
 
 
 def dequantize_q8_1(q: np.ndarray, d: np.ndarray) -> np.ndarray:

@@ -22,10 +22,10 @@
 // Fused variant (cnt != null, one launch): the last split block of each KV head to finish
 // (atomic counter per KV head, re-armed to 0 by that block) runs the combine for its G heads.
 // attn_combine: block = HD threads (one per output dim), grid = H; the q8_1 quantization is
-// quantize_q8_1.cu's formula (one warp = one 32-element block), with s = sum of the inputs
-// (sum_q = 0) or s = d * sum(q) (sum_q = 1; see decode_fused.cu).
+// decode_common.cuh q8_1_warp (one warp = one 32-element block, s = d * sum(q)).
 // Kernel names: attn_split_h{HD}_g{G}_{f16|f32}, attn_combine_h{HD}.
 #include "common.cuh"
+#include "decode_common.cuh"
 
 #define ATT_NT 128
 #define ATT_NEG_INF __int_as_float(0xff800000)
@@ -194,8 +194,7 @@ __device__ __forceinline__ void attn_split_tiles(
 template <int HD, bool CG>
 __device__ __forceinline__ void attn_combine_one(
     int h, int dd, const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
-    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods, int sum_q) {
-    const int lane = threadIdx.x & 31;
+    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
     const float2* ml = part_ml + (size_t)h * S;
     float M = ATT_NEG_INF;
     for (int s = 0; s < S; ++s) M = fmaxf(M, CG ? __ldcg(&ml[s].x) : ml[s].x);
@@ -211,23 +210,7 @@ __device__ __forceinline__ void attn_combine_one(
     o = o / den;
     const int idx = h * HD + dd;
     if (out) out[idx] = o;
-    // q8_1 of the 32 values of this warp (quantize_q8_1.cu's formula)
-    float amax = fabsf(o), sum = o;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
-    }
-    const float d = __fdiv_rn(amax, 127.0f);
-    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(o, d));
-    oq[idx] = (i8)qi;
-    if (sum_q) {                               // s = d * sum(q) (decode_fused.cu q8_block)
-        int sq = qi;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        sum = __fmul_rn(d, (float)sq);
-    }
-    if (lane == 0) ods[idx >> 5] = make_float2(d, sum);
+    q8_1_warp(o, oq + idx, ods + (idx >> 5));
 }
 
 template <int HD, int G, typename KV>
@@ -235,7 +218,7 @@ __device__ __forceinline__ void attn_split_body(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
     long long tok_stride, long long head_stride, const int* __restrict__ pos_ptr, float scale,
     float* __restrict__ part_o, float2* __restrict__ part_ml, unsigned* __restrict__ counters,
-    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods, int sum_q) {
+    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
     const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y;
     const int tid = threadIdx.x;
     const int L = __ldg(pos_ptr) + 1;
@@ -258,7 +241,7 @@ __device__ __forceinline__ void attn_split_body(
     if (!last) return;
     __threadfence();
     for (int i = tid; i < G * HD; i += ATT_NT)      // whole warps: G * HD is a multiple of 32
-        attn_combine_one<HD, true>(h0 + i / HD, i % HD, part_o, part_ml, S, out, oq, ods, sum_q);
+        attn_combine_one<HD, true>(h0 + i / HD, i % HD, part_o, part_ml, S, out, oq, ods);
     if (tid == 0) counters[kvh] = 0u;               // re-armed for the next launch / replay
 }
 
@@ -270,15 +253,15 @@ __device__ __forceinline__ void attn_split_body(
                                      float scale, float* __restrict__ part_o,                  \
                                      float2* __restrict__ part_ml, unsigned* __restrict__ cnt, \
                                      float* __restrict__ out, i8* __restrict__ oq,             \
-                                     float2* __restrict__ ods, int sum_q) {                    \
+                                     float2* __restrict__ ods) {                               \
         attn_split_body<HD, G, KVT>(q, kc, vc, tok_stride, head_stride, pos_ptr, scale,        \
-                                    part_o, part_ml, cnt, out, oq, ods, sum_q);                \
+                                    part_o, part_ml, cnt, out, oq, ods);                       \
     }
 
-#define ATT_SPLIT_G(G)                        \
-    ATT_SPLIT_INSTANCE(64, G, u16, f16)       \
-    ATT_SPLIT_INSTANCE(64, G, float, f32)     \
-    ATT_SPLIT_INSTANCE(128, G, u16, f16)      \
+#define ATT_SPLIT_G(G)                                                                         \
+    ATT_SPLIT_INSTANCE(64, G, u16, f16)                                                        \
+    ATT_SPLIT_INSTANCE(64, G, float, f32)                                                      \
+    ATT_SPLIT_INSTANCE(128, G, u16, f16)                                                       \
     ATT_SPLIT_INSTANCE(128, G, float, f32)
 
 ATT_SPLIT_G(1)
@@ -293,16 +276,16 @@ ATT_SPLIT_G(8)
 template <int HD>
 __device__ __forceinline__ void attn_combine_body(
     const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
-    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods, int sum_q) {
-    attn_combine_one<HD, false>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods, sum_q);
+    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
+    attn_combine_one<HD, false>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods);
 }
 
 #define ATT_COMBINE_INSTANCE(HD)                                                               \
     extern "C" __global__ void __launch_bounds__(HD)                                           \
     attn_combine_h##HD(const float* __restrict__ part_o, const float2* __restrict__ part_ml,   \
                        int S, float* __restrict__ out, i8* __restrict__ oq,                    \
-                       float2* __restrict__ ods, int sum_q) {                                  \
-        attn_combine_body<HD>(part_o, part_ml, S, out, oq, ods, sum_q);                        \
+                       float2* __restrict__ ods) {                                             \
+        attn_combine_body<HD>(part_o, part_ml, S, out, oq, ods);                               \
     }
 
 ATT_COMBINE_INSTANCE(64)

@@ -8,12 +8,7 @@
 //                   or padded, f16, f32): q4_K (d*sc)*q - (dmin*m), q6_K (d*sc)*q.
 // rmsnorm_q8        h = (x * (1 / sqrt(mean(x^2) + eps))) * w, then q8_1 of h. One block.
 // quantize_row_q8   q8_1 of a float32 row, one warp per 32 values.
-//   q8_1 as quantize_q8_1.cu: d = amax/127, q = roundf(h/d); the block sum s is, by `sum_q`:
-//     0: s = butterfly float32 sum of the inputs (engine.quants.quantize_q8_1, bit for bit)
-//     1: s = d * sum(q) (float32 product, the sum exact): ggml's CPU q8_1. The q4_K min term
-//        dmin*m*s then cancels against the quantized inputs exactly, so the GEMV equals
-//        dequant(W) . dequant(x); with s = sum(x) it carries an extra dmin*m*sum(x - x^) error
-//        (measured: about 3x the logit error on a real-weight slice).
+//   q8_1 as engine.quants.quantize_q8_1: decode_common.cuh q8_1_warp (s = d * sum(q)).
 // qkv_post          qkv = [q | k | v] (float32, H*HD + 2*KVH*HD, straight from the MMVQ) plus
 //                   bias (optional), RoPE at p = state[1] with the host's float32 cos/sin table
 //                   [max_pos, HD/2] (normal: pairs (2i, 2i+1); neox: (i, i + HD/2)):
@@ -24,6 +19,7 @@
 // swiglu_mul        out[n] = silu(g[n]) * u[n] (used only when ffn_gate / ffn_up differ in type).
 // set_state         state = (token, position, count) (one launch instead of a host copy).
 #include "common.cuh"
+#include "decode_common.cuh"
 
 // float -> f16, round to nearest even (GGP_EMU: the CPU emulator of tests/cuda_emu)
 __device__ __forceinline__ u16 f32_to_f16_rn(float f) {
@@ -81,31 +77,9 @@ decode_embed(const u8* __restrict__ W, long long row_bytes, int wtype, int bstri
 
 #define RMS_NT 1024
 
-// q8_1 of one 32-value block held one value per lane; lane 0 writes (d, s).
-__device__ __forceinline__ void q8_block(float h, int sum_q, i8* __restrict__ q, float2* __restrict__ ds,
-                                         int k, int blk) {
-    const int lane = threadIdx.x & 31;
-    float amax = fabsf(h), s = h;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-    }
-    const float d = __fdiv_rn(amax, 127.0f);
-    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(h, d));
-    q[k] = (i8)qi;
-    if (sum_q) {
-        int sq = qi;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        s = __fmul_rn(d, (float)sq);
-    }
-    if (lane == 0) ds[blk] = make_float2(d, s);
-}
-
 extern "C" __global__ void __launch_bounds__(RMS_NT)
 rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, int K,
-           i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout, int sum_q) {
+           i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout) {
     __shared__ float red[RMS_NT / 32];
     __shared__ float rscale;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -130,17 +104,16 @@ rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, 
         const int k = blk * 32 + lane;
         const float h = __fmul_rn(__fmul_rn(x[k], r), w[k]);
         if (hout) hout[k] = h;
-        q8_block(h, sum_q, q, ds, k, blk);
+        q8_1_warp(h, q + k, ds + blk);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-quantize_row_q8(const float* __restrict__ x, i8* __restrict__ q, float2* __restrict__ ds, int nblk,
-                int sum_q) {
+quantize_row_q8(const float* __restrict__ x, i8* __restrict__ q, float2* __restrict__ ds, int nblk) {
     const int blk = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (blk >= nblk) return;                   // whole warps only
     const int k = blk * 32 + (threadIdx.x & 31);
-    q8_block(x[k], sum_q, q, ds, k, blk);
+    q8_1_warp(x[k], q + k, ds + blk);
 }
 
 // ---------------------------------------------------------------- bias + RoPE + KV append

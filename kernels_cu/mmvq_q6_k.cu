@@ -21,21 +21,7 @@
 // 3 segments; MODE 0 store, 1 add, 2 swiglu, 3 addnorm; U blocks per load batch).
 // Kernel names: mmvq_q6_k_{pad|raw}_r{R}u{U}_{store|add|swiglu|addnorm}.
 #include "common.cuh"
-
-#define MMVQ_NW 4
-
-// 16-byte weight load that skips L1 (each weight byte is used once). GGP_EMU: the CPU
-// emulator of tests/cuda_emu (plain C++ in place of PTX).
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-#ifndef GGP_EMU
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#else
-    return *reinterpret_cast<const uint4*>(p);
-#endif
-}
+#include "decode_common.cuh"
 
 __device__ __forceinline__ u32 ld_u16x2(const u8* p) {      // p 2-byte aligned
     const u16* q = reinterpret_cast<const u16*>(p);
@@ -44,10 +30,6 @@ __device__ __forceinline__ u32 ld_u16x2(const u8* p) {      // p 2-byte aligned
 
 __device__ __forceinline__ uint4 ld_raw16(const u8* p) {   // 16 bytes at a 2-byte aligned p
     return make_uint4(ld_u16x2(p), ld_u16x2(p + 4), ld_u16x2(p + 8), ld_u16x2(p + 12));
-}
-
-__device__ __forceinline__ float silu_ref(float g) {
-    return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
 }
 
 struct Q6Slot {
@@ -94,97 +76,6 @@ __device__ __forceinline__ float q6k_slot(const Q6Slot& s, int hh, int l0, const
     return f16_to_f32((u16)(s.d & 0xFFFFu)) * r;
 }
 
-// ---------------------------------------------------------------- epilogue (same in mmvq_q4_k.cu)
-
-#define MMVQ_NORM_MAX 8192     // MODE 3: largest vector the last block normalizes (shared memory)
-
-// MODE 3 tail, run by the last block of the launch to finish (after every row of y was
-// written): q8_1 of rmsnorm(y) * nw (decode_fused.cu rmsnorm_q8, the same formulas), so the
-// next GEMV's input is ready without a separate launch. y is read through L2 (ld.cg).
-__device__ __forceinline__ void mmvq_norm_tail(const float* __restrict__ y, int K,
-                                               const float* __restrict__ nw, float eps,
-                                               i8* __restrict__ oq, float2* __restrict__ ods,
-                                               int sum_q) {
-    __shared__ float xs[MMVQ_NORM_MAX];
-    __shared__ float red[MMVQ_NW];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float ss = 0.0f;
-    for (int k = tid; k < K; k += MMVQ_NW * 32) {
-        const float v = __ldcg(y + k);
-        xs[k] = v;
-        ss += v * v;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float t = 0.0f;
-#pragma unroll
-    for (int w = 0; w < MMVQ_NW; ++w) t += red[w];
-    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(t, (float)K), eps)));
-    for (int blk = warp; blk < (K >> 5); blk += MMVQ_NW) {
-        const int k = blk * 32 + lane;
-        const float h = __fmul_rn(__fmul_rn(xs[k], r), nw[k]);
-        float amax = fabsf(h), s = h;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-            s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-        }
-        const float d = __fdiv_rn(amax, 127.0f);
-        const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(h, d));
-        oq[k] = (i8)qi;
-        if (sum_q) {
-            int sq = qi;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-            s = __fmul_rn(d, (float)sq);
-        }
-        if (lane == 0) ods[blk] = make_float2(d, s);
-    }
-}
-
-// Row sums -> outputs (lane i of the warp stores row row0 + i), then the MODE 3 tail.
-template <int R, int MODE, int NR>
-__device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int row0, int N,
-                                              float* __restrict__ Y, const float* __restrict__ nw,
-                                              float eps, i8* __restrict__ oq,
-                                              float2* __restrict__ ods, int sum_q,
-                                              unsigned* __restrict__ counter) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-    }
-    if (active && lane < R && row0 + lane < N) {
-        float v = acc[0], u = (MODE == 2) ? acc[R] : 0.0f;
-#pragma unroll
-        for (int i = 1; i < R; ++i) {
-            if (lane == i) {
-                v = acc[i];
-                if (MODE == 2) u = acc[R + i];
-            }
-        }
-        const int n = row0 + lane;
-        if (MODE == 0) Y[n] = v;
-        else if (MODE == 2) Y[n] = __fmul_rn(silu_ref(v), u);
-        else Y[n] += v;
-    }
-    if constexpr (MODE == 3) {
-        __shared__ unsigned last;
-        __threadfence();                     // this block's rows are visible device-wide
-        __syncthreads();
-        if (threadIdx.x == 0) last = (atomicAdd(counter, 1u) == gridDim.x - 1);
-        __syncthreads();
-        if (last) {
-            __threadfence();
-            mmvq_norm_tail(Y, N, nw, eps, oq, ods, sum_q);
-            if (threadIdx.x == 0) *counter = 0u;    // re-armed for the next launch / replay
-        }
-    }
-}
-
 // ---------------------------------------------------------------- q6_K body
 
 template <int R, int MODE, bool PADDED, int U>
@@ -194,7 +85,7 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     int n0, int n1, int n2, int nb1, int nb2,
     const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
     const float* __restrict__ nw, float eps, i8* __restrict__ oq, float2* __restrict__ ods,
-    int sum_q, unsigned* __restrict__ counter) {
+    unsigned* __restrict__ counter) {
     constexpr int NR = (MODE == 2) ? 2 * R : R;
     constexpr int BS = PADDED ? 224 : 210;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -267,7 +158,7 @@ __device__ __forceinline__ void mmvq_q6_k_body(
             }
         }
     }
-    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y, nw, eps, oq, ods, sum_q, counter);
+    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y, nw, eps, oq, ods, counter);
 }
 
 #define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, MODE, NAME)                                     \
@@ -277,9 +168,9 @@ __device__ __forceinline__ void mmvq_q6_k_body(
         float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int n0, int n1, \
         int n2, int nb1, int nb2, const i8* __restrict__ xq, const float2* __restrict__ xds,    \
         int K, const float* __restrict__ nw, float eps, i8* __restrict__ oq,                    \
-        float2* __restrict__ ods, int sum_q, unsigned* __restrict__ cnt) {                      \
+        float2* __restrict__ ods, unsigned* __restrict__ cnt) {                      \
         mmvq_q6_k_body<R, MODE, PADDED, U>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq,    \
-                                           xds, K, nw, eps, oq, ods, sum_q, cnt);               \
+                                           xds, K, nw, eps, oq, ods, cnt);               \
     }
 
 #define MMVQ_Q6K_MODES(LAYOUT, PADDED, R, U)                 \

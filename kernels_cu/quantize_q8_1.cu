@@ -4,16 +4,17 @@
 // Out: q int8 [T, K]; ds float2 [T, K/32] = (d, s) per block.
 // One warp per block, lane i holds x_i (engine.quants.quantize_q8_1 is this, bit for bit):
 //   amax = max_i |x_i|                               (butterfly, order irrelevant)
-//   s    = sum x_i: s_i = x_i; for off in 16,8,4,2,1: s_i = s_i + s_{i^off}   (float32)
 //   d    = amax / 127.0f                             (IEEE division)
 //   q_i  = amax == 0 ? 0 : roundf(x_i / d)           (IEEE division, half away from zero)
-// CuPy compiles with -ftz=true; abs/max/add/div here are inline PTX without .ftz and the
+//   s    = d * sum_i q_i                             (integer butterfly sum, exact; one
+//                                                     float32 rounding; why not sum(x): quants.py)
+// CuPy compiles with -ftz=true; abs/max/div/mul here are inline PTX without .ftz and the
 // zero test reads the bits, so subnormal inputs give numpy's result too.
 #include "common.cuh"
 
-__device__ __forceinline__ float add_rn(float a, float b) {
+__device__ __forceinline__ float mul_rn(float a, float b) {
     float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
 __device__ __forceinline__ float max_nf(float a, float b) {
@@ -40,14 +41,13 @@ quantize_q8_1(const float* __restrict__ x, i8* __restrict__ q, float2* __restric
     if (gw >= nblk) return;                    // whole warps only (blockDim % 32 == 0)
     const float v = x[gw * 32 + lane];
     float amax = abs_nf(v);
-    float s = v;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = max_nf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-    }
+    for (int off = 16; off > 0; off >>= 1) amax = max_nf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float d = div_rn(amax, 127.0f);
     const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(div_rn(v, d));
     q[gw * 32 + lane] = (i8)qi;
-    if (lane == 0) ds[gw] = make_float2(d, s);
+    int qsum = qi;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, off);
+    if (lane == 0) ds[gw] = make_float2(d, mul_rn(d, (float)qsum));
 }

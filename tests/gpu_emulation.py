@@ -53,18 +53,12 @@ def _fake_cupy() -> types.ModuleType:
     return cp
 
 
-def q8_dequant_sum(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """s of the fused quantizers: d * sum(q) per 32-block, float32 (one rounding)."""
-    qs = q.reshape(*q.shape[:-1], -1, 32).sum(-1, dtype=np.int32).astype(np.float32)
-    return (d.astype(np.float32) * qs).astype(np.float32)
-
-
 def _store_q8(h: np.ndarray, act) -> None:
-    """q8_1 as the fused kernels write it: quantize_q8_1's q and d, s = d * sum(q)."""
-    q, d, _ = quants.quantize_q8_1(np.ascontiguousarray(h, dtype=np.float32))
+    """q8_1 as the fused kernels write it (engine.quants.quantize_q8_1)."""
+    q, d, s = quants.quantize_q8_1(np.ascontiguousarray(h, dtype=np.float32))
     act.q[...] = q
     act.ds[..., 0] = d
-    act.ds[..., 1] = q8_dequant_sum(q, d)
+    act.ds[..., 1] = s
 
 
 def emu_embed(table, ids, x):

@@ -117,13 +117,6 @@ def abs_terms(kind, w, q, d, s):
     return (np.repeat(ad.reshape(-1), 2)[None, :] * A * dots).sum(-1)
 
 
-def q8_sum_q(x):
-    """q8_1 with s = d * sum(q) (decode's default, engine.gpu_decode.ACT_SUM = 'q')."""
-    q, d, _ = Q.quantize_q8_1(x)
-    s = (d * q.reshape(q.shape[0], -1, 32).astype(np.int32).sum(-1).astype(np.float32)).astype(np.float32)
-    return q, d, s
-
-
 def upload_act(cp, q, d, s):
     ds = np.stack([np.asarray(d, np.float32).reshape(-1), np.asarray(s, np.float32).reshape(-1)], -1)
     return cp.asarray(q.reshape(-1)), cp.asarray(ds)
@@ -202,7 +195,7 @@ def test_mmvq(cp, rng, layout, variant, mode):
                 oq = cp.full(N, 127, dtype=cp.int8)
                 ods = cp.full((N // 32, 2), np.nan, dtype=cp.float32)
                 mmvq_launch([dw], [y], xq, xds, "addnorm", rows_per_warp, unroll,
-                            norm=(cp.asarray(nw), np.float32(1e-6), oq, ods, True, counter))
+                            norm=(cp.asarray(nw), np.float32(1e-6), oq, ods, counter))
             got = cp.asnumpy(y)
             err = np.abs(got - (y0.astype(np.float64) + ref))
             tol = bound + 2 * U * np.abs(y0 + ref) + 2 * U * np.abs(y0)
@@ -311,7 +304,7 @@ def test_attention_decode(cp, rng, cfg, L, fused):
         tol = 1e-5 * np.abs(vv).max() + 1e-6
         assert np.isfinite(got).all(), f"S={S}: non-finite output"
         assert err.max() <= tol, f"S={S}: max err {err.max():.3g} > {tol:.3g}"
-        rq, rd, rs = q8_sum_q(got.reshape(1, -1))
+        rq, rd, rs = Q.quantize_q8_1(got.reshape(1, -1))
         gq, gds = cp.asnumpy(oq), cp.asnumpy(ods)
         assert (gq == rq.reshape(-1)).all()
         assert (gds[:, 0].view(np.uint32) == rd.reshape(-1).view(np.uint32)).all()
@@ -406,8 +399,7 @@ def test_embed_row(cp, rng, ttype):
         assert (got.view(np.uint32) == ref[tok].view(np.uint32)).all(), ttype
 
 
-@pytest.mark.parametrize("sum_q", [0, 1])
-def test_rmsnorm_q8(cp, rng, sum_q):
+def test_rmsnorm_q8(cp, rng):
     from engine import kernels
     from engine.reference import rms_norm
 
@@ -419,18 +411,17 @@ def test_rmsnorm_q8(cp, rng, sum_q):
         q = cp.full(K, 127, dtype=cp.int8)
         ds = cp.full((K // 32, 2), np.nan, dtype=cp.float32)
         h = cp.full(K, np.nan, dtype=cp.float32)
-        k((1,), (1024,), (cp.asarray(x), cp.asarray(w), eps, np.int32(K), q, ds, h, np.int32(sum_q)))
+        k((1,), (1024,), (cp.asarray(x), cp.asarray(w), eps, np.int32(K), q, ds, h))
         got = cp.asnumpy(h)
         ref = rms_norm(x[None], w, float(eps))[0]
         assert np.all(np.abs(got - ref) <= 4 * U * np.abs(ref) + 1e-30), K
-        rq, rd, rs = (q8_sum_q if sum_q else Q.quantize_q8_1)(got[None])
+        rq, rd, rs = Q.quantize_q8_1(got[None])
         assert (cp.asnumpy(q) == rq[0]).all()
         gds = cp.asnumpy(ds)
         assert (gds[:, 0] == rd[0]).all() and (gds[:, 1] == rs[0]).all()
 
 
-@pytest.mark.parametrize("sum_q", [0, 1])
-def test_quantize_row_q8(cp, rng, sum_q):
+def test_quantize_row_q8(cp, rng):
     from engine import kernels
 
     k = kernels.get_kernel("decode_fused.cu", "quantize_row_q8")
@@ -439,8 +430,8 @@ def test_quantize_row_q8(cp, rng, sum_q):
         x[:32] = 0.0
         q = cp.full(K, 127, dtype=cp.int8)
         ds = cp.full((K // 32, 2), np.nan, dtype=cp.float32)
-        k((-(-K // 256),), (256,), (cp.asarray(x), q, ds, np.int32(K // 32), np.int32(sum_q)))
-        rq, rd, rs = (q8_sum_q if sum_q else Q.quantize_q8_1)(x[None])
+        k((-(-K // 256),), (256,), (cp.asarray(x), q, ds, np.int32(K // 32)))
+        rq, rd, rs = Q.quantize_q8_1(x[None])
         gds = cp.asnumpy(ds)
         assert (cp.asnumpy(q) == rq[0]).all()
         assert (gds[:, 0].view(np.uint32) == rd[0].view(np.uint32)).all()

@@ -3,9 +3,8 @@
 Kernel checks (marker `gpu`; they also run on the CPU emulator tests/cuda_emu when that is
 installed in place of cupy): outputs poisoned before each launch, fresh random inputs.
     embed            bit-identical to engine.quants dequantization (q4_K, q6_K raw and padded)
-    rmsnorm+q8_1     x + y exact; h within 2e-6 relative of reference.rms_norm; q and d
-                     bit-identical to quantize_q8_1 of the kernel's own h, s = d * sum(q)
-                     bit-identical (the fused quantizers' s: the dequantized block sum)
+    rmsnorm+q8_1     x + y exact; h within 2e-6 relative of reference.rms_norm; q, d and s
+                     bit-identical to quantize_q8_1 of the kernel's own h
     rope             bit-identical to reference.apply_rope (+ bias, * qscale) rounded to f16;
                      cache rows outside start..start+n untouched
     attention        |o - ref| <= 2^-9 max|V| per element, ref = float64 softmax with P
@@ -40,7 +39,6 @@ import numpy as np
 import pytest
 
 from engine import quants as Q
-from tests.gpu_emulation import q8_dequant_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 SLICE = ROOT / ".gpu_data" / "slice.gguf"
@@ -131,8 +129,7 @@ def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
     h = cp.asnumpy(hout)
     ref = rms_norm(xs, w, eps)
     rel = float(np.max(np.abs(h - ref) / (np.abs(ref) + 1e-30)))
-    q, d, _ = Q.quantize_q8_1(h)
-    s = q8_dequant_sum(q, d)
+    q, d, s = Q.quantize_q8_1(h)
     gq, gds = cp.asnumpy(act.q), cp.asnumpy(act.ds)
     qm = int(np.sum(gq != q))
     dm = int(np.sum(gds[..., 0].view(np.uint32) != d.view(np.uint32)))
@@ -166,7 +163,7 @@ def test_swiglu_q8_1(cp, rng, fused, T, F):
     dstep = np.repeat(gd, 32, axis=1)
     err = float(np.max(np.abs(deq - h) - dstep * (0.5 + 1e-6)))
     drel = float(np.max(np.abs(gd - d) / np.maximum(d, 1e-30)))
-    sm = int(np.sum(gds[..., 1].view(np.uint32) != q8_dequant_sum(gq, gd).view(np.uint32)))
+    sm = int(np.sum(gds[..., 1].view(np.uint32) != Q.q8_1_block_sum(gq, gd).view(np.uint32)))
     _report(test="prefill_swiglu", fused=fused, excess_over_half_step=err, d_max_rel=drel, s_mismatches=sm)
     assert np.isfinite(deq).all()
     assert err <= 1e-6 and drel <= 1e-6 and sm == 0
@@ -255,7 +252,7 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
     deq = Q.dequantize_q8_1(gq, gds[..., 0])
     step = np.repeat(gds[..., 0], 32, axis=1)
     q8_excess = float(np.max(np.abs(deq - o) - step * (0.5 + 1e-6)))
-    sm = int(np.sum(gds[..., 1].view(np.uint32) != q8_dequant_sum(gq, gds[..., 0]).view(np.uint32)))
+    sm = int(np.sum(gds[..., 1].view(np.uint32) != Q.q8_1_block_sum(gq, gds[..., 0]).view(np.uint32)))
     _report(test="prefill_attention", hd=hd, H=H, KVH=KVH, n=n, start=start, big=big, emulated=emulated,
             max_err=err, bound=vmax * 2 ** -9, q8_excess=q8_excess, s_mismatches=sm)
     assert np.isfinite(o).all()

@@ -1,5 +1,5 @@
 """engine.quants: bit-exact dequantization vs gguf-py, layouts, quantizer error bounds,
-q8_1 definition (rounding, butterfly sum order) and the integer-dot reference GEMMs."""
+q8_1 definition (rounding, s = d * sum(q)) and the integer-dot reference GEMMs."""
 
 import os
 import time
@@ -120,14 +120,6 @@ def test_quantize_q6_k_error_bound():
     assert np.array_equal(dequantize_q6_k(quantize_q6_k(z)), z)
 
 
-def _butterfly_scalar(vals, op):
-    """Independent lane-by-lane simulation of the warp xor-butterfly."""
-    lanes = [np.float32(v) for v in vals]
-    for off in (16, 8, 4, 2, 1):
-        lanes = [np.float32(op(lanes[i], lanes[i ^ off])) for i in range(32)]
-    return lanes[0]
-
-
 def test_q8_1_rounding_half_away_from_zero():
     # amax = 127 -> d = 1.0 exactly, so q = roundf(x)
     x = np.zeros((1, 32), np.float32)
@@ -157,24 +149,23 @@ def test_q8_1_zero_block():
     assert np.all(q[1, 32:] == 127) and s[1, 1] == 96.0
 
 
-def test_q8_1_sum_is_butterfly_order():
+def test_q8_1_sum_is_d_times_integer_sum():
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((3, 128)) * np.float32(1e4)).astype(np.float32)
-    # a block where the summation order visibly matters in float32
     x[0, :32] = 1.0
     x[0, 0], x[0, 16] = 1e8, -1e8
     q, d, s = quantize_q8_1(x)
     for t in range(3):
         for g in range(4):
-            blk = x[t, 32 * g:32 * g + 32]
-            assert s[t, g] == _butterfly_scalar(blk, lambda a, b: a + b)
-            assert d[t, g] == np.float32(_butterfly_scalar(np.abs(blk), max) / np.float32(127))
-    # lane 0 + lane 16 cancel first: 1e8 + -1e8 = 0, then the 30 ones add exactly
-    assert s[0, 0] == 30.0
-    seq = np.float32(0)
-    for v in x[0, :32]:
-        seq = np.float32(seq + v)
-    assert seq != s[0, 0]            # a sequential sum would differ: the order is defined
+            qi = [int(v) for v in q[t, 32 * g:32 * g + 32]]
+            # one float32 product of d and the exact integer sum
+            assert s[t, g] == np.float32(np.float64(d[t, g]) * sum(qi))
+    # s is the sum of the dequantized block (what the MMQ min term needs), not of the inputs:
+    # here the inputs sum to 30, the quantized block (every 1.0 rounds to q = 0) to 0
+    assert s[0, 0] == 0.0 and float(np.sum(x[0, :32], dtype=np.float64)) == 30.0
+    # and the dequantized sum matches float64 to one rounding on a normal block
+    deq = (q[1].reshape(4, 32).astype(np.float64) * d[1][:, None]).sum(-1)
+    assert np.allclose(s[1], deq, rtol=2 ** -23, atol=0)
 
 
 def _rand_q4_rows(rng, N, K):

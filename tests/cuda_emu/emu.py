@@ -175,7 +175,10 @@ def _build(fname: str):
     if fname in _libs:
         return _libs[fname]
     src = (kernels.KERNEL_DIR / fname).read_text()
+    # common.cuh is PTX (cuda_emu.h stands in for it); other kernels_cu headers are inlined
     src = re.sub(r'^\s*#\s*include\s+"common.cuh".*$', "", src, flags=re.M)
+    src = re.sub(r'^\s*#\s*include\s+"([\w.]+\.cuh)".*$',
+                 lambda m: (kernels.KERNEL_DIR / m.group(1)).read_text(), src, flags=re.M)
     header = (HERE / "cuda_emu.h").read_text()
     full_src = header + f'\n#line 1 "{kernels.KERNEL_DIR / fname}"\n' + src
     names = kernels.INSTANCES.get(fname, ())
