@@ -22,9 +22,10 @@ from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 # 64x128 block finishes ~1.5x sooner than a lone 128x128 one, so short prompts use it.
 DEFAULT_VARIANT = {"q4_k": "m128n128w8tc_k256", "q6_k": "m128n128w8_k256"}
 SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
-# Tail split (split_plan) for the DEFAULT_VARIANT choice: off until measured on the device
-# (engine.gemm_bench with the "+split" variants; docs/perf-log.md).
-DEFAULT_SPLIT = {"q4_k": False, "q6_k": False}
+# Tail split (split_plan) for the DEFAULT_VARIANT choice: measured on the H200 (run 12 in
+# docs/perf-log.md): T=3314 q6_K 4096x4096 0.793 -> 0.739 ms, q4_K 4096x11008 1.266 -> 1.167;
+# whole-wave grids (T=512) unchanged.
+DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
 SPLIT_MAX_PARTS = 4
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_BUFFERS: dict[int, tuple] = {}
@@ -64,7 +65,7 @@ class MmqGrid(NamedTuple):
     tiles: int        # output tiles BM x BN
     split0: int       # tiles >= split0 are split along K ...
     parts: int        # ... into this many blocks each
-    blocks: int       # launched blocks (1-D grid)
+    blocks: int       # blocks with work: split0 whole tiles + the split tiles x parts
     waves: float      # predicted duration in whole-tile waves (1 per wave unsplit)
 
 
@@ -184,17 +185,20 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
     variant = variant or choose_variant(kind, T, N)
     bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
-    k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant), dynamic_smem=smem)
     g = mmq_grid(kind, variant, T, N, K, split=split)
-    if g.parts > 1:
-        ws, cnt = _split_buffers((g.tiles - g.split0) * g.parts * bm * bn, g.tiles - g.split0)
-    else:
-        ws, cnt = out, out          # never dereferenced without a split
     args = [weight.data, act.q, act.ds, out, np.int32(T), np.int32(N), np.int32(K)]
     if kind == "q6_k":
         args.append(np.int32(weight.block_stride))
-    args += [np.int32(g.split0), np.int32(g.parts), ws, cnt]
-    k((g.blocks,), (nth,), tuple(args), shared_mem=smem)
+    args += [np.int32(g.split0), np.int32(g.parts)]
+    if g.split0:                    # whole tiles [0, split0), 2-D grid (common.cuh mmq_work)
+        nx = -(-N // bn)
+        k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant), dynamic_smem=smem)
+        k((nx, -(-g.split0 // nx)), (nth,), tuple(args + [out, out]), shared_mem=smem)
+    if g.parts > 1:                 # then the K-parts of the tiles of the last, partial wave
+        ws, cnt = _split_buffers((g.tiles - g.split0) * g.parts * bm * bn, g.tiles - g.split0)
+        k = kernels.get_kernel(f"mmq_{kind}.cu", kernels.mmq_instance(kind, variant, split_part=True),
+                               dynamic_smem=smem)
+        k((g.blocks - g.split0,), (nth,), tuple(args + [ws, cnt]), shared_mem=smem)
     return out
 
 

@@ -77,11 +77,11 @@ def mmq_config(kind: str, variant: str) -> tuple[int, int, int, int, int, int, i
                        f"{MMQ_SPLIT_SUFFIX})") from None
 
 
-def mmq_instance(kind: str, variant: str) -> str:
+def mmq_instance(kind: str, variant: str, split_part: bool = False) -> str:
+    """Template instance of a variant: split_part=False the whole-tile kernel, True the one
+    that computes the K-parts of split tiles (the "+split" launch uses both)."""
     mt, nt, wm, wn, minb, ks, tc = mmq_config(kind, variant)
-    if kind == "q4_k":
-        return f"mmq_q4_k<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}>"
-    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}>"
+    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}, {str(split_part).lower()}>"
 
 
 def mmq_uses_tc(kind: str, variant: str) -> bool:
@@ -111,8 +111,8 @@ def mmq_smem_bytes(kind: str, variant: str) -> int:
 INSTANCES: dict[str, tuple[str, ...]] = {
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "q6k_expand_check.cu": ("q6k_expand_check",),
-    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v) for v in mmq_variants("q4_k")),
-    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v) for v in mmq_variants("q6_k")),
+    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v in mmq_variants("q4_k") for sp in (False, True)),
+    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v in mmq_variants("q6_k") for sp in (False, True)),
 }
 try:  # decode-step kernels (engine/decode_kernels.py is a leaf module listing their names)
     from engine.decode_kernels import DECODE_INSTANCES as _DECODE_INSTANCES

@@ -288,46 +288,55 @@ __device__ __forceinline__ void mmq_store(float* __restrict__ Y, const float (&a
 
 // ---------------------------------------------------------------- MMQ grid and tail split
 //
-// 1-D grid in launch order; tile t covers weight rows (t % nx) BN.. and tokens (t / nx) BM..
-// (nx = ceil(N / BN): consecutive blocks share a token tile). Tiles t >= split0 (host:
-// engine.gpu_ops.split_plan, the tiles of the last, partial wave) are each computed by
-// `parts` consecutive blocks, part p over the stages [p nst / parts, (p+1) nst / parts), so
-// that wave takes ~1/parts of the time of a whole tile. No split: split0 = tiles, parts = 1.
+// Tile t covers weight rows (t % nx) BN.. and tokens (t / nx) BM.. (nx = ceil(N / BN):
+// consecutive blocks share a token tile). Two instances per tile shape:
+//   SPLIT = false: grid (nx, ceil(split0 / nx)), block (x, y) computes tile t = y nx + x over
+//                  all K stages; blocks with t >= split0 exit at once (mmq_no_tile). Without a
+//                  split, split0 = the number of tiles.
+//   SPLIT = true : 1-D grid, launched after the whole tiles [0, split0) (host:
+//                  engine.gpu_ops.split_plan, split0 = the tiles of the full waves); block b
+//                  computes part p = b % parts of tile split0 + b / parts over the stages
+//                  [p nst / parts, (p+1) nst / parts), so the last, partial wave takes ~1/parts
+//                  of the time of a whole tile.
+// The whole-tile instance carries none of the split's state: its loop and registers are the
+// unsplit kernel's (a 1-D tile index there costs the q6_K kernel 28 more bytes of spill).
 struct MmqWork {
     int n_base, m_base;   // first weight row / token of the tile
     int s0, s1;           // stages [s0, s1) of this block
-    int slot, part;       // split tile index t - split0 (-1: whole tile) and part
+    int slot, part;       // SPLIT: split tile index t - split0 and part
 };
 
-template <int BM, int BN>
+__device__ __forceinline__ bool mmq_no_tile(int split0) {       // SPLIT = false grids only
+    return (int)(blockIdx.y * gridDim.x + blockIdx.x) >= split0;
+}
+
+template <int BM, int BN, bool SPLIT>
 __device__ __forceinline__ MmqWork mmq_work(int N, int nst, int split0, int parts) {
-    const int b = blockIdx.x;
     MmqWork w;
-    int t = b;
-    w.slot = -1, w.part = 0, w.s0 = 0, w.s1 = nst;
-    if (b >= split0) {
-        w.slot = (b - split0) / parts;
-        w.part = (b - split0) % parts;
-        t = split0 + w.slot;
-        w.s0 = w.part * nst / parts;
-        w.s1 = (w.part + 1) * nst / parts;
+    w.slot = 0, w.part = 0, w.s0 = 0, w.s1 = nst;
+    if (!SPLIT) {
+        w.n_base = blockIdx.x * BN;
+        w.m_base = blockIdx.y * BM;
+        return w;
     }
-    const int nx = (N + BN - 1) / BN;
+    w.slot = blockIdx.x / parts;
+    w.part = blockIdx.x % parts;
+    w.s0 = w.part * nst / parts;
+    w.s1 = (w.part + 1) * nst / parts;
+    const int t = split0 + w.slot, nx = (N + BN - 1) / BN;
     w.n_base = (t % nx) * BN;
     w.m_base = (t / nx) * BM;
     return w;
 }
 
-// Epilogue of a split tile: every part writes its accumulators to the workspace
+// Epilogue of a split tile (SPLIT instance): every part writes its accumulators to the workspace
 // Wsp [split tiles][parts][MT NT 4][NTH] (f32, coalesced per element), then the last part to
 // arrive (counter Cnt[slot], re-armed to 0 by that block) reads them back and sums them in
 // the fixed order 0, 1, .., parts-1 (the same bits whichever part arrives last; one f32 add
-// per part, within the stated error bound) and returns true: it stores the tile. Whole tiles
-// return true at once.
+// per part, within the stated error bound) and returns true: it stores the tile.
 template <int MT, int NT, int NTH>
 __device__ __forceinline__ bool mmq_split_reduce(float (&acc)[MT][NT][4], const MmqWork& w, int parts,
                                                  float* __restrict__ Wsp, u32* __restrict__ Cnt, int tid) {
-    if (w.slot < 0) return true;
     constexpr int E = MT * NT * 4;
     float* ws = Wsp + (size_t)w.slot * parts * E * NTH + tid;     // element e of part p: ws[(p E + e) NTH]
     float* mine = ws + (size_t)w.part * E * NTH;

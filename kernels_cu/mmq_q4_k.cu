@@ -28,10 +28,11 @@
 //                  is prefetched into registers one stage ahead.
 // One __syncthreads per stage. Ragged T / N: zero-filled tiles (cp.async src-size 0) and
 // guarded stores.
-// Grid: 1-D, one block per output tile, except that the tiles from split0 on (the last,
-// partial wave) are split along K into `parts` blocks whose partial sums meet in the
-// workspace Wsp / counters Cnt (common.cuh mmq_work / mmq_split_reduce; the host plan is
-// engine.gpu_ops.split_plan). Without a split: split0 = number of tiles, parts = 1.
+// Grid: one block per output tile, (ceil(N / BN), ceil(T / BM)) (SPLIT = false). With the
+// tail split the host launches that instance for the tiles [0, split0) and then the
+// SPLIT = true instance for the rest (the last, partial wave): `parts` blocks per tile along
+// K whose partial sums meet in the workspace Wsp / counters Cnt (common.cuh mmq_work /
+// mmq_split_reduce; the host plan is engine.gpu_ops.split_plan).
 #include "common.cuh"
 
 template <int MT, int NT, int WM, int WN, int KS>
@@ -49,7 +50,7 @@ struct Q4KLayout {
     __device__ static __forceinline__ int swz(int row) { return RB == 64 ? ((row >> 1) & 3) : (row & 7); }
 };
 
-template <int MT, int NT, int WM, int WN, int MINB, int KS, int TCMIN>
+template <int MT, int NT, int WM, int WN, int MINB, int KS, int TCMIN, bool SPLIT>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K,
@@ -69,7 +70,8 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     const int g = lane >> 2, tig = lane & 3;
     const int wm = warp / WN, wn = warp % WN;
     const int m0 = wm * MT * 16, n0 = wn * NT * 8;
-    const MmqWork wk = mmq_work<BM, BN>(N, K / KS, split0, parts);
+    if (!SPLIT && mmq_no_tile(split0)) return;
+    const MmqWork wk = mmq_work<BM, BN, SPLIT>(N, K / KS, split0, parts);
     const int n_base = wk.n_base, m_base = wk.m_base;
     const int s0 = wk.s0, s1 = wk.s1;               // this block's stages
     const size_t rb = (size_t)(K >> 8) * 144;
@@ -278,6 +280,8 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
         }
     }
 
-    if (mmq_split_reduce<MT, NT, NTH>(acc, wk, parts, Wsp, Cnt, tid))
-        mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
+    if constexpr (SPLIT) {
+        if (!mmq_split_reduce<MT, NT, NTH>(acc, wk, parts, Wsp, Cnt, tid)) return;
+    }
+    mmq_store<MT, NT>(Y, acc, T, N, m_base + m0, n_base + n0, lane);
 }

@@ -62,9 +62,11 @@ def test_choose_variant_rule():
     from engine import gpu_ops
     # 64-token grid fits on the SMs -> the 64x128 tile; otherwise the 128x128 one
     assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
-    assert gpu_ops.choose_variant("q6_k", 512, 4096, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q6_k"]
+    big = {k: gpu_ops.DEFAULT_VARIANT[k] + (kernels.MMQ_SPLIT_SUFFIX if gpu_ops.DEFAULT_SPLIT[k] else "")
+           for k in ("q4_k", "q6_k")}
+    assert gpu_ops.choose_variant("q6_k", 512, 4096, sm_count=132) == big["q6_k"]
     assert gpu_ops.choose_variant("q4_k", 64, 11008, sm_count=132) == gpu_ops.SMALL_VARIANT["q4_k"]
-    assert gpu_ops.choose_variant("q4_k", 3314, 11008, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q4_k"]
+    assert gpu_ops.choose_variant("q4_k", 3314, 11008, sm_count=132) == big["q4_k"]
     for kind in ("q4_k", "q6_k"):
         for v in (gpu_ops.SMALL_VARIANT[kind], gpu_ops.DEFAULT_VARIANT[kind]):
             assert v in kernels.mmq_variants(kind)
@@ -123,6 +125,7 @@ def test_mmq_grid():
 def test_choose_variant_split_flag(monkeypatch):
     from engine import gpu_ops
     monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q6_k", True)
+    monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q4_k", False)
     assert gpu_ops.choose_variant("q6_k", 3314, 4096, sm_count=132) == \
         gpu_ops.DEFAULT_VARIANT["q6_k"] + kernels.MMQ_SPLIT_SUFFIX
     assert gpu_ops.choose_variant("q6_k", 64, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
