@@ -47,7 +47,11 @@ from engine.errors import GGUFError
 MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
 ATT_TK = 64               # keys per attention tile (attention_decode.cu)
 NORM_MAX = 8192           # MMVQ addnorm: longest vector its last block normalizes
-DEFAULT_ROWS_PER_WARP = 2
+# Step variant, from the measured grid (docs/perf-log.md, decode run 2): 1 row per warp with
+# run 1's loop is the fastest now (tg128 409-410 tok/s); batched loads (U > 0), the fused
+# combine (no gain) and the fused norm tail (274 tok/s: one block normalizes serially) stay
+# selectable but off.
+DEFAULT_ROWS_PER_WARP = 1
 DEFAULT_UNROLL = 0        # MMVQ load batch (0: run 1's loop)
 FUSE_COMBINE = False      # attention combine in the split kernel's last block
 FUSE_NORM = False         # rmsnorm + q8_1 in the residual-add GEMV's last block
@@ -771,7 +775,7 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=128)
     p.add_argument("-d", default="0")
     p.add_argument("-r", type=int, default=5)
-    p.add_argument("--variants", default="R2U0", help="comma-separated R<rows>U<unroll>[+combine][+norm]; "
+    p.add_argument("--variants", default=f"R{DEFAULT_ROWS_PER_WARP}U{DEFAULT_UNROLL}", help="comma-separated R<rows>U<unroll>[+combine][+norm]; "
                    "the first depth runs every variant, the other depths the fastest")
     p.add_argument("--raw-q6k", action="store_true", help="keep q6_K rows raw (210 B)")
     p.add_argument("--kv", default="f16", choices=DK.KV_DTYPES)

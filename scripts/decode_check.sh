@@ -35,8 +35,8 @@ esac
 case " $STEPS " in *" bench "*)
   echo "--- tg128 (engine.gpu_decode, standalone weights)"
   timeout 200 python3 -m engine.gpu_decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
-    --variants "${DECODE_VARIANTS:-R2U0,R1U0,R2U2,R1U4,R2U4,R4U2,R2U0+combine,R2U0+norm,R2U0+combine+norm,R2U2+combine+norm,R1U4+combine+norm}" \
-    --eager --kernels "${DECODE_KERNELS:-R2U0,R2U2,R1U4,R2U4}" --json "$OUT/decode_bench.json" 2>&1 \
+    --variants "${DECODE_VARIANTS:-R1U0,R2U0,R1U2,R1U0+combine}" \
+    --eager --kernels "${DECODE_KERNELS:-R1U0,R2U0}" --json "$OUT/decode_bench.json" 2>&1 \
     | tee "$OUT/decode_bench.log" | grep -v "decode weights: layer"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
 esac

@@ -136,16 +136,19 @@ def _oracle(kind):
 
 
 def _check_addnorm(cp, got_y, nw, eps, oq, ods):
-    """The addnorm tail's q8_1 against rmsnorm of the kernel's own y (float32 sums in another
-    order: d within 4 ulp, q within one step of the exact quotient, s consistent with q)."""
-    from engine.reference import rms_norm
-
-    h = rms_norm(got_y[None].astype(np.float32), nw, float(eps))[0].astype(np.float64)
+    """The addnorm tail's q8_1 against the float64 rmsnorm of the kernel's own y. The kernel's
+    scale r = 1/sqrt(mean(y^2) + eps) sums K/128 squares per thread, then 5 butterfly and 4
+    warp adds in float32: relative error <= (K/128 + 9) u in the sum, half that in r, so d is
+    within ((K/128 + 9) / 2 + 4) u of the exact d; r cancels in h/d, so q stays within one
+    step of the exact quotient; s = d * sum(q) exactly."""
+    y64 = got_y.astype(np.float64)
+    K = y64.size
+    h = y64 / np.sqrt(np.mean(y64 * y64) + float(eps)) * nw.astype(np.float64)
     q = cp.asnumpy(oq).astype(np.float64)
     ds = cp.asnumpy(ods).astype(np.float64)
     hb = h.reshape(-1, 32)
     d_ref = np.abs(hb).max(-1) / 127.0
-    assert np.all(np.abs(ds[:, 0] - d_ref) <= 4 * U * d_ref + 1e-38)
+    assert np.all(np.abs(ds[:, 0] - d_ref) <= ((K / 128 + 9) / 2 + 4) * U * d_ref + 1e-38)
     with np.errstate(divide="ignore", invalid="ignore"):
         quo = np.where(d_ref[:, None] > 0, hb / d_ref[:, None], 0.0)
     assert np.all(np.abs(q.reshape(-1, 32) - quo) <= 0.5 + 1e-3)

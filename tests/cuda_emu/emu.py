@@ -318,6 +318,7 @@ def install():
     for n in ("zeros", "empty", "full", "asarray", "asnumpy"):
         setattr(cp, n, globals()[n])
     cp.array = asarray
+    cp.concatenate = lambda arrs, axis=0: _wrap(np.concatenate([np.asarray(a) for a in arrs], axis=axis))
     for n in ("float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
               "uint64"):
         setattr(cp, n, getattr(np, n))
