@@ -2,7 +2,10 @@
 # One device call: install carried wheels, run the GPU tests, run the GEMM microbenchmark,
 # print a short summary table last. Full logs and JSON go to $OUT (or ./.gpu_out).
 #
-#   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"])
+#   device: run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu_data"])
+#   .whl: gguf, and fastapi/uvicorn/httpx with their dependencies (py3.12 wheels, for the GPU
+#   server test): pip download gguf fastapi uvicorn httpx --only-binary=:all: \
+#   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: sweep, ncu); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
