@@ -775,8 +775,9 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=128)
     p.add_argument("-d", default="0")
     p.add_argument("-r", type=int, default=5)
-    p.add_argument("--variants", default=f"R{DEFAULT_ROWS_PER_WARP}U{DEFAULT_UNROLL}", help="comma-separated R<rows>U<unroll>[+combine][+norm]; "
-                   "the first depth runs every variant, the other depths the fastest")
+    p.add_argument("--variants", default=f"R{DEFAULT_ROWS_PER_WARP}U{DEFAULT_UNROLL}",
+                   help="comma-separated R<rows>U<unroll>[+combine][+norm]; "
+                        "the first depth runs every variant, the other depths the fastest")
     p.add_argument("--raw-q6k", action="store_true", help="keep q6_K rows raw (210 B)")
     p.add_argument("--kv", default="f16", choices=DK.KV_DTYPES)
     p.add_argument("--eager", action="store_true", help="also time tg at depth 0 without the graph")

@@ -56,8 +56,9 @@ def mmq_variants(kind: str) -> list[str]:
     return list(MMQ_CONFIGS[kind])
 
 
-# A variant name may end in MMQ_SPLIT_SUFFIX: the same instance, launched with the tail split
-# (the tiles of the last, partial wave cut along K: engine.gpu_ops.split_plan).
+# A variant name may end in MMQ_SPLIT_SUFFIX: the same tile configuration launched with the tail
+# split (the tiles of the last, partial wave cut along K: engine.gpu_ops.split_plan), i.e. its
+# whole-tile instance, then its split-part instance (mmq_instance(..., split_part=True)).
 MMQ_SPLIT_SUFFIX = "+split"
 
 

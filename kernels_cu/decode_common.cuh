@@ -27,6 +27,8 @@ __device__ __forceinline__ float silu_ref(float g) {
 }
 
 // q8_1 of one 32-value block, lane i holding x_i; every lane writes its q, lane 0 writes (d, s).
+// (quantize_q8_1.cu computes the same with non-.ftz PTX so that subnormal inputs match numpy
+// too; these intrinsics also build in the CPU emulator, and decode activations are normal.)
 __device__ __forceinline__ void q8_1_warp(float x, i8* __restrict__ q, float2* __restrict__ ds) {
     float amax = fabsf(x);
 #pragma unroll

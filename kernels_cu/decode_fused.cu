@@ -185,7 +185,7 @@ swiglu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __re
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const float gv = g[i];
-        out[i] = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), u[i]);
+        out[i] = __fmul_rn(silu_ref(gv), u[i]);
     }
 }
 
