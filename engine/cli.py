@@ -9,7 +9,7 @@ from engine.errors import GGUFError, UsageError
 
 
 def _model_path(args) -> str:
-    from engine.fetch import resolve_model
+    from engine.tools.fetch import resolve_model
 
     return resolve_model(args.model)
 
@@ -25,7 +25,7 @@ def _parse_ids(text: str, what: str) -> list[int]:
 
 
 def _tokenizer(path: str):
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -56,7 +56,7 @@ def cmd_chat_template(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
 
     write_synthetic(args.out, args.shape, random_blocks=args.random_blocks, seed=args.seed)
     print(args.out)
@@ -64,14 +64,14 @@ def cmd_synth(args) -> int:
 
 
 def cmd_fetch_model(args) -> int:
-    from engine.fetch import fetch_default_model
+    from engine.tools.fetch import fetch_default_model
 
     print(fetch_default_model(force=args.force))
     return 0
 
 
 def cmd_relabel(args) -> int:
-    from engine.relabel import relabel_architecture
+    from engine.tools.relabel import relabel_architecture
 
     relabel_architecture(args.model_in, args.out, args.arch)
     print(args.out)
@@ -115,14 +115,14 @@ def _eog_ids(path: str) -> set[int]:
     try:
         return set(_tokenizer(path).eog_ids)
     except (GGUFError, ImportError):
-        from engine.gguf_file import read_metadata
+        from engine.formats.gguf_file import read_metadata
 
         eos = read_metadata(path).get("tokenizer.ggml.eos_token_id")
         return {int(eos)} if eos is not None else set()
 
 
 def cmd_greedy32(args) -> int:
-    from engine import greedy32
+    from engine.tools import greedy32
 
     path = _model_path(args)
     cases = greedy32.load_goldens(args.golden)
@@ -146,13 +146,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from engine.bench import main as bench_main
+    from engine.tools.bench import main as bench_main
 
     return bench_main(args)
 
 
 def cmd_slice(args) -> int:
-    from engine.slice import slice_model
+    from engine.tools.slice import slice_model
 
     slice_model(args.model, args.out, layers=_parse_ids(args.layers, "--layers"), vocab=args.vocab, ffn=args.ffn)
     print(args.out)

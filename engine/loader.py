@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from engine.errors import GGUFError
-from engine.weights import open_model
+from engine.formats.weights import open_model
 
 
 def gpu_available() -> bool:
@@ -22,12 +22,12 @@ def load_model(path: str | os.PathLike, device: str = "auto", progress: bool = F
     model_file = open_model(path)
     if device == "gpu" or (device == "auto" and gpu_available()):
         try:
-            from engine.gpu_model import GPUModel
+            from engine.gpu.model import GPUModel
         except ImportError as e:
             if device == "gpu":
                 raise GGUFError(f"{model_file.path}: the GPU backend is not available ({e})") from None
         else:
             return GPUModel(model_file, progress=progress)
-    from engine.reference import ReferenceModel
+    from engine.reference.model import ReferenceModel
 
     return ReferenceModel(model_file)

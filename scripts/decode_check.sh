@@ -33,8 +33,8 @@ case " $STEPS " in *" tests "*)
 esac
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { echo "synth failed"; cat "$OUT/decode_synth.log"; rc=1; }; }
 case " $STEPS " in *" bench "*)
-  echo "--- tg128 (engine.gpu_decode, standalone weights)"
-  timeout 200 python3 -m engine.gpu_decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
+  echo "--- tg128 (engine.gpu.decode, standalone weights)"
+  timeout 200 python3 -m engine.gpu.decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
     --variants "${DECODE_VARIANTS:-R1U0,R2U0,R1U2,R1U0+combine}" \
     --eager --kernels "${DECODE_KERNELS:-R1U0,R2U0}" --json "$OUT/decode_bench.json" 2>&1 \
     | tee "$OUT/decode_bench.log" | grep -v "decode weights: layer"

@@ -8,9 +8,9 @@ import sys
 import cupy as cp
 import numpy as np
 
-from engine import gpu_ops
-from engine.gemm_bench import random_blocks
-from engine.gpu_weights import upload_weight
+from engine.gpu.ops import mmq as gpu_ops
+from engine.tools.gemm_bench import random_blocks
+from engine.gpu.weights import upload_weight
 
 T, N, K = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (3314, 11008, 4096)
 variant = sys.argv[4] if len(sys.argv) > 4 else None

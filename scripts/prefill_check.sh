@@ -28,7 +28,7 @@ step_kernels() {
   return "${PIPESTATUS[0]}"
 }
 
-# The MMQ GEMMs exactly as the forward dispatches them (engine.gpu_ops default variants).
+# The MMQ GEMMs exactly as the forward dispatches them (engine.gpu.ops.mmq default variants).
 step_mmq() {
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_mmq.py -k "dispatch" 2>&1 \
       | tee "$OUT/pytest_mmq.log" | tail -5

@@ -40,7 +40,7 @@ def main(out: str) -> int:
                   f"{r['viol_margin_ge_0_5']} | {r['worst_disagreeing_margin']:.2f} | {r['last_margin']:.2f} | {r['last_agree']} |")
     bj = os.path.join(out, "bench.json")
     if os.path.exists(bj) and os.path.getsize(bj):
-        from engine.bench import Breakdown, ModelInfo, Row, format_breakdown, format_rows
+        from engine.tools.bench import Breakdown, ModelInfo, Row, format_breakdown, format_rows
 
         try:
             d = json.load(open(bj))

@@ -64,7 +64,7 @@ class Engine:
         return "".join(dec.decode(self.token_bytes(t)) for t in ids) + dec.decode(b"", final=True)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template over `messages` (engine.tokenizer.render_chat); a missing,
+        """The model's chat template over `messages` (engine.text.tokenizer.render_chat); a missing,
         broken or refusing template is the request's 400, with the reason."""
         from engine.errors import GGUFError
 
@@ -85,22 +85,22 @@ class Engine:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """--model, or the cached default model (engine.fetch.resolve_model: never downloads)."""
-    from engine.fetch import resolve_model
+    """--model, or the cached default model (engine.tools.fetch.resolve_model: never downloads)."""
+    from engine.tools.fetch import resolve_model
 
     return resolve_model(model)
 
 
 def open_model_file(path: str) -> None:
     """Validate the container synchronously (fast): a bad file fails `serve` at once."""
-    from engine.gguf_file import open_gguf
+    from engine.formats.gguf_file import open_gguf
 
     open_gguf(path)
 
 
 def load_engine(settings: Settings) -> Engine:
     from engine.loader import load_model
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     path = resolve_model_path(settings.model)
     t0 = time.perf_counter()

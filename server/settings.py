@@ -23,7 +23,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a cont
 
 @dataclass(frozen=True)
 class Settings:
-    model: str | None = None  # None: the default model (engine.fetch)
+    model: str | None = None  # None: the default model (engine.tools.fetch)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     ctx_size: int = 0  # 0: the model's training context (n_ctx_train)

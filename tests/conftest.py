@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
 def default_model_file() -> str:
     """Path of the default model; skip (or fail, with GGUF_PREFILL_REQUIRE_MODEL=1) when absent."""
-    from engine.fetch import default_model_path
+    from engine.tools.fetch import default_model_path
 
     path = default_model_path()
     if not os.path.exists(path):
@@ -46,7 +46,7 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
 
     path = str(tmp_path_factory.mktemp("models") / "tiny.gguf")
     write_synthetic(path, "tiny")
@@ -55,7 +55,7 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_model_path(tmp_path_factory) -> str:
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
 
     path = str(tmp_path_factory.mktemp("models") / "tiny-qwen2.gguf")
     write_synthetic(path, "tiny-qwen2")

@@ -1,4 +1,4 @@
-"""Run engine.gpu_model.GPUModel on the CPU: numpy stands in for cupy and each GPU launcher is
+"""Run engine.gpu.model.GPUModel on the CPU: numpy stands in for cupy and each GPU launcher is
 replaced by a numpy emulation of the same numerics (q8_1 GEMM inputs, f16 Q/K/V/P in attention,
 f32 elsewhere).
 
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from engine import quants
-from engine.reference import apply_rope, rms_norm, silu
+from engine.formats import quants
+from engine.reference.model import apply_rope, rms_norm, silu
 
 
 def _fake_cupy() -> types.ModuleType:
@@ -54,7 +54,7 @@ def _fake_cupy() -> types.ModuleType:
 
 
 def _store_q8(h: np.ndarray, act) -> None:
-    """q8_1 as the fused kernels write it (engine.quants.quantize_q8_1)."""
+    """q8_1 as the fused kernels write it (engine.formats.quants.quantize_q8_1)."""
     q, d, s = quants.quantize_q8_1(np.ascontiguousarray(h, dtype=np.float32))
     act.q[...] = q
     act.ds[..., 0] = d
@@ -62,7 +62,7 @@ def _store_q8(h: np.ndarray, act) -> None:
 
 
 def emu_embed(table, ids, x):
-    from engine.reference import dequantize_rows
+    from engine.reference.model import dequantize_rows
 
     rows = table.data[np.asarray(ids, dtype=np.int64)]
     if table.kind == "q4_k":
@@ -146,8 +146,9 @@ def emu_mmq(weight, act, out=None, variant=None):
 
 @contextmanager
 def emulated_gpu():
-    """Patch cupy (numpy), engine.gpu_prefill_ops and engine.gpu_ops.mmq for the duration."""
-    from engine import gpu_ops, gpu_prefill_ops as P
+    """Patch cupy (numpy), engine.gpu.ops.prefill and engine.gpu.ops.mmq.mmq for the duration."""
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.ops import prefill as P
 
     saved_mod = sys.modules.get("cupy")
     patches = {(P, "embed"): emu_embed, (P, "add_rmsnorm_q8_1"): emu_add_rmsnorm_q8_1,

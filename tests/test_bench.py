@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine import bench
+from engine.tools import bench
 from engine.cli import main as cli_main
 from engine.errors import UsageError
 

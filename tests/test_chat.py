@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.chat import ChatTemplateError, render_chat, validate_messages
+from engine.text.chat import ChatTemplateError, render_chat, validate_messages
 from engine.errors import GGUFError
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 
 MODEL_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def test_no_template_is_a_gguf_error():
 
 
 def test_broken_file_template_is_a_gguf_error():
-    from engine.tokenizer import Tokenizer, _BYTE_ENCODER
+    from engine.text.tokenizer import Tokenizer, _BYTE_ENCODER
 
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
           "tokenizer.ggml.tokens": [_BYTE_ENCODER[b] for b in range(256)],

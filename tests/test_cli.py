@@ -74,7 +74,7 @@ def test_synth_and_slice(tmp_path, tiny_model_path):
     sl = tmp_path / "s.gguf"
     r = cli("slice", "--model", tiny_model_path, "--layers", "1,3", "--vocab", "300", "--ffn", "256", str(sl))
     assert r.returncode == 0, r.stderr
-    from engine.weights import open_model
+    from engine.formats.weights import open_model
 
     src, cut = open_model(tiny_model_path), open_model(str(sl))
     assert (cut.config.n_layers, cut.config.vocab_size, cut.config.d_ff) == (2, 300, 256)

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from engine import fetch
+from engine.tools import fetch
 from engine.errors import UsageError
 
 

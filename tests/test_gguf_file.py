@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from engine.errors import GGUFError
-from engine.gguf_file import _Cursor, _read_value, open_gguf, read_metadata
-from engine.weights import open_model
+from engine.formats.gguf_file import _Cursor, _read_value, open_gguf, read_metadata
+from engine.formats.weights import open_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from engine import greedy32
-from engine.reference import ReferenceModel
-from engine.relabel import relabel_architecture
-from engine.tokenizer import load_tokenizer
+from engine.tools import greedy32
+from engine.reference.model import ReferenceModel
+from engine.tools.relabel import relabel_architecture
+from engine.text.tokenizer import load_tokenizer
 
 GOLDENS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "goldens")
 QWEN = os.path.join(GOLDENS, "qwen2.5-coder-1.5b-q4_k_m.json")

@@ -1,20 +1,20 @@
-"""GPU decode step (engine/gpu_decode.py): MMVQ GEMVs, split-K decode attention, argmax, the
+"""GPU decode step (engine/gpu/decode.py): MMVQ GEMVs, split-K decode attention, argmax, the
 small fused kernels, and whole-model greedy decoding against the numpy reference.
 
 Checks (each on fresh random inputs, outputs poisoned before the launch):
 - MMVQ q4_K and q6_K (raw 210 B and padded 224 B rows), every rows-per-warp variant and mode
-  (store / add / swiglu), against engine.quants.mmq_reference_q4_k / _q6_k. Bound per element:
+  (store / add / swiglu), against engine.formats.quants.mmq_reference_q4_k / _q6_k. Bound per element:
       |y - ref| <= (K/16 + 8) * 2^-24 * S,  S = the sum of the magnitudes of the scaled terms
   (exact integer dots; each q8_1 block's term takes a few float32 roundings and at most K/32
   partial sums are added in float32 per row, so gamma_n with n <= K/16 + 8 bounds it).
 - decode attention at 1, 100 and 3,314 keys (GQA groups 1, 2, 6, f16 and f32 caches, several
   split counts, token-major and head-major layouts) against float64 softmax attention over the
   same cached values: |o - ref| <= 1e-5 * max|V| + 1e-6; its q8_1 output identical to
-  engine.quants.quantize_q8_1 of its float32 output.
+  engine.formats.quants.quantize_q8_1 of its float32 output.
 - argmax: numpy.argmax semantics (ties -> lowest id, NaN wins), state and history updates.
 - embedding rows bit-identical to the reference's dequantization; rmsnorm + q8_1 within 2 ulp
   of the reference and q8_1 identical to quantize_q8_1 of the kernel's own float32 output;
-  bias + RoPE + KV append bit-identical to engine.reference (float32 cache).
+  bias + RoPE + KV append bit-identical to engine.reference.model (float32 cache).
 - whole decode (synthetic tiny llama and qwen2 models, f16 and f32 KV caches): logits of every
   step within a relative L2 error of 3e-2 of the reference (q8_1 activations against float32)
   and the same argmax wherever the reference's margin is >= 0.5; graph replay bit-identical to
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import quants as Q
+from engine.formats import quants as Q
 
 pytestmark = pytest.mark.gpu
 
@@ -161,8 +161,8 @@ def _check_addnorm(cp, got_y, nw, eps, oq, ods):
                          ids=lambda v: f"R{v[0]}U{v[1]}")
 @pytest.mark.parametrize("mode", ["store", "add", "swiglu", "addnorm"])
 def test_mmvq(cp, rng, layout, variant, mode):
-    from engine.gpu_decode import mmvq_launch
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.decode import mmvq_launch
+    from engine.gpu.weights import upload_weight
 
     rows_per_warp, unroll = variant
     kind = layout[:4]
@@ -230,8 +230,8 @@ def test_mmvq(cp, rng, layout, variant, mode):
 
 def test_mmvq_segments(cp, rng):
     """q, k, v in one launch: three matrices, three outputs, ragged row counts."""
-    from engine.gpu_decode import mmvq_launch
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.decode import mmvq_launch
+    from engine.gpu.weights import upload_weight
 
     K = 512
     rows = (37, 9, 70) if EMU else (4096, 1024, 333)
@@ -263,7 +263,7 @@ ATT_LENGTHS = [1, 100, 300] if EMU else [1, 100, 3314]
 @pytest.mark.parametrize("L", ATT_LENGTHS)
 @pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
 def test_attention_decode(cp, rng, cfg, L, fused):
-    from engine.gpu_decode import attention_launch
+    from engine.gpu.decode import attention_launch
 
     H, KVH, hd, dt, layout = cfg
     T = L + 5                                                    # cache capacity > length
@@ -320,7 +320,7 @@ def test_attention_decode(cp, rng, cfg, L, fused):
 
 @pytest.mark.parametrize("V", [512, 32000] if EMU else [512, 32000, 151936])
 def test_argmax(cp, rng, V):
-    from engine import kernels
+    from engine.gpu import kernels
 
     k = kernels.get_kernel("argmax.cu", "argmax_step")
     cases = []
@@ -350,7 +350,7 @@ def test_argmax(cp, rng, V):
 # ----------------------------------------------------------------------------- fused kernels
 
 def _tiny_file(tmp_path_factory, shape):
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
 
     p = str(tmp_path_factory.mktemp("models") / f"{shape}.gguf")
     write_synthetic(p, shape)
@@ -369,9 +369,9 @@ def tiny_qwen2_path(tmp_path_factory):
 
 @pytest.mark.parametrize("ttype", ["Q4_K", "Q6_K_pad", "Q6_K_raw", "F16", "F32"])
 def test_embed_row(cp, rng, ttype):
-    from engine import kernels
-    from engine.gpu_decode import EmbedTable
-    from engine.gpu_weights import upload_weight
+    from engine.gpu import kernels
+    from engine.gpu.decode import EmbedTable
+    from engine.gpu.weights import upload_weight
 
     V, K = 50, 768
     x = rng.standard_normal((V, K)).astype(np.float32)
@@ -403,8 +403,8 @@ def test_embed_row(cp, rng, ttype):
 
 
 def test_rmsnorm_q8(cp, rng):
-    from engine import kernels
-    from engine.reference import rms_norm
+    from engine.gpu import kernels
+    from engine.reference.model import rms_norm
 
     k = kernels.get_kernel("decode_fused.cu", "rmsnorm_q8")
     for K in (256, 1536, 4096):
@@ -425,7 +425,7 @@ def test_rmsnorm_q8(cp, rng):
 
 
 def test_quantize_row_q8(cp, rng):
-    from engine import kernels
+    from engine.gpu import kernels
 
     k = kernels.get_kernel("decode_fused.cu", "quantize_row_q8")
     for K in (32, 2048, 11008):
@@ -443,9 +443,9 @@ def test_quantize_row_q8(cp, rng):
 
 @pytest.mark.parametrize("rope", ["normal", "neox"])
 def test_qkv_post(cp, rng, rope):
-    from engine import kernels
-    from engine.config import ModelConfig
-    from engine.reference import apply_rope, rope_tables
+    from engine.gpu import kernels
+    from engine.formats.config import ModelConfig
+    from engine.reference.model import apply_rope, rope_tables
 
     H, KVH, hd, T = 4, 2, 64, 40
     cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 512, 100, 2048, 1e4, rope, 1e-5, True, False)
@@ -483,8 +483,8 @@ DECODE_VARIANTS = ["default", "R2U0", "R2U0+combine+norm", "R1U4+norm", "R2U2+co
                                               ("tiny-qwen2", "f16", "default")]
                          + [("tiny-qwen2", "f16", v) for v in DECODE_VARIANTS[1:]])
 def test_decode_logits_match_reference(cp, rng, which, kv, variant, tiny_path, tiny_qwen2_path):
-    from engine.gpu_decode import DecodeModel, parse_variant
-    from engine.reference import ReferenceModel
+    from engine.gpu.decode import DecodeModel, parse_variant
+    from engine.reference.model import ReferenceModel
 
     path = tiny_path if which == "tiny" else tiny_qwen2_path
     kw = {} if variant == "default" else parse_variant(variant)
@@ -512,7 +512,7 @@ def test_decode_logits_match_reference(cp, rng, which, kv, variant, tiny_path, t
 
 
 def _golden_cases(name):
-    from engine import greedy32
+    from engine.tools import greedy32
 
     p = GOLDENS / f"decode_{name}.json"
     if not p.exists():
@@ -544,8 +544,8 @@ def _teacher_forced_decode(model, case, min_margin):
 @pytest.mark.parametrize("variant", ["default", "R2U2+combine+norm"])
 @pytest.mark.parametrize("which", ["tiny", "slice"])
 def test_greedy32_goldens_on_gpu(cp, which, variant, tiny_path):
-    from engine import greedy32
-    from engine.gpu_decode import DecodeModel, parse_variant
+    from engine.tools import greedy32
+    from engine.gpu.decode import DecodeModel, parse_variant
 
     cases = _golden_cases(which)
     if which == "slice":
@@ -577,11 +577,11 @@ def test_greedy32_goldens_on_gpu(cp, which, variant, tiny_path):
 
 @pytest.mark.parametrize("which", ["tiny", "slice"])
 def test_gpu_model_prefill_then_decode_graph(cp, which, tiny_path):
-    """GPUModel (engine.gpu_model): the prompt by its prefill kernels, every single-token step
+    """GPUModel (engine.gpu.model): the prompt by its prefill kernels, every single-token step
     by the decode graph over its KV cache (layout [L, KVH, T, hd]); same goldens and rule."""
-    from engine import greedy32
+    from engine.tools import greedy32
 
-    gm = pytest.importorskip("engine.gpu_model")
+    gm = pytest.importorskip("engine.gpu.model")
     cases = _golden_cases(which)
     if which == "slice":
         if not SLICE.exists():

@@ -1,7 +1,7 @@
 """GPU: q8_1 quantization, the q6_K closed-form expansion, and the q4_K / q6_K MMQ GEMMs
-against the numpy oracle (engine.quants), on fresh random inputs with poisoned outputs.
+against the numpy oracle (engine.formats.quants), on fresh random inputs with poisoned outputs.
 
-Error bound for the GEMMs (stated, asserted per element; engine.gemm_bench.error_bound):
+Error bound for the GEMMs (stated, asserted per element; engine.tools.gemm_bench.error_bound):
     |y - ref| <= (K/16 + 4) * 2^-24 * S  (+ 40 * 2^-24 * S_min for the "tc" q4_K variants)
     S = sum over the scaled terms of their magnitudes:
     q4_K: S = sum_g |d sc| |d8| sum_l q4 |q8| + |dmin m| |s8|  (S_min = the |dmin m| |s8| part)
@@ -22,8 +22,8 @@ import os
 import numpy as np
 import pytest
 
-from engine import quants as Q
-from engine.gemm_bench import abs_terms
+from engine.formats import quants as Q
+from engine.tools.gemm_bench import abs_terms
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def rng():
 
 def rand_rows(rng, kind, n_rows, K):
     """Random valid blocks: random bytes, f16 scale fields finite (incl. negative/zero/tiny)."""
-    from engine.gemm_bench import random_blocks
+    from engine.tools.gemm_bench import random_blocks
     return random_blocks(rng, kind, n_rows, K, special=True)
 
 
@@ -86,7 +86,7 @@ def describe_errors(bad):
 
 @pytest.mark.parametrize("T,K", [(1, 256), (7, 4096), (65, 11008), (3314, 4096)])
 def test_quantize_q8_1_identical(cp, rng, T, K):
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
 
     x = rand_act(rng, T, K)
     qr, dr, sr = Q.quantize_q8_1(x)
@@ -106,7 +106,7 @@ def test_quantize_q8_1_identical(cp, rng, T, K):
 # ----------------------------------------------------------------------------- q6_K expansion
 
 def test_q6k_closed_form_expansion(cp, rng):
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
 
     nblocks = 4096                                          # 1,048,576 elements
     raw = rand_rows(rng, "q6_k", nblocks, Q.QK_K)           # [nblocks, 210]
@@ -128,12 +128,12 @@ SHAPES = [(1, 300, 512), (7, 333, 1024), (65, 257, 4096), (3314, 200, 512), (130
 
 
 def _variants(kind):
-    from engine import kernels
+    from engine.gpu import kernels
     return kernels.mmq_variants(kind)
 
 
 def _run_mmq(cp, w_dev, act, T, N, variant):
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
 
     y = cp.full((T, N), np.nan, dtype=cp.float32)                      # poison
     gpu_ops.mmq(w_dev, act, out=y, variant=variant)
@@ -141,8 +141,8 @@ def _run_mmq(cp, w_dev, act, T, N, variant):
 
 
 def _check_gemm(kind, variant, T, N, K, y, ref, SS, label):
-    from engine import kernels
-    from engine.gemm_bench import error_bound
+    from engine.gpu import kernels
+    from engine.tools.gemm_bench import error_bound
     S, S_min = SS
     bound = error_bound(kind, variant, K, S, S_min)
     err = np.abs(y.astype(np.float64) - ref)
@@ -163,8 +163,8 @@ def _check_gemm(kind, variant, T, N, K, y, ref, SS, label):
 @pytest.mark.parametrize("variant", _variants("q4_k"))
 @pytest.mark.parametrize("T,N,K", SHAPES)
 def test_mmq_q4_k(cp, rng, variant, T, N, K):
-    from engine import gpu_ops
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.weights import upload_weight
 
     w = rand_rows(rng, "q4_k", N, K)
     x = rand_act(rng, T, K)
@@ -180,8 +180,8 @@ def test_mmq_q4_k(cp, rng, variant, T, N, K):
 @pytest.mark.parametrize("variant", _variants("q6_k"))
 @pytest.mark.parametrize("T,N,K", SHAPES)
 def test_mmq_q6_k_raw_and_padded(cp, rng, variant, T, N, K):
-    from engine import gpu_ops
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.weights import upload_weight
 
     w = rand_rows(rng, "q6_k", N, K)
     x = rand_act(rng, T, K)
@@ -211,7 +211,7 @@ SPLIT_CASES = [(130, 129, 768, (0, 2)), (130, 129, 768, (-1, 3)), (200, 300, 102
 
 
 def _mmq_y(cp, w_dev, act, T, N, variant, split):
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
 
     y = cp.full((T, N), np.nan, dtype=cp.float32)                      # poison
     gpu_ops.mmq(w_dev, act, out=y, variant=variant, split=split)
@@ -224,8 +224,9 @@ def test_mmq_split(cp, rng, kind, variant, T, N, K, plan):
     """Forced split plans: within the bound, the same bits on a second launch (deterministic
     sum order; counters re-armed, else the second launch leaves the poison), q6_K raw ==
     padded."""
-    from engine import gpu_ops, kernels
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu import kernels
+    from engine.gpu.weights import upload_weight
 
     tiles = gpu_ops.mmq_grid(kind, variant, T, N, K).tiles
     split = (plan[0] % tiles if plan[0] < 0 else plan[0], plan[1])
@@ -254,8 +255,9 @@ def test_mmq_split(cp, rng, kind, variant, T, N, K, plan):
 def test_mmq_split_auto(cp, rng, kind):
     """The "+split" production variant on a grid with a small partial last wave on this
     device (2 tile columns, tokens for SMs + 1..2 tiles)."""
-    from engine import gpu_ops, kernels
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu import kernels
+    from engine.gpu.weights import upload_weight
 
     variant = gpu_ops.DEFAULT_VARIANT[kind] + kernels.MMQ_SPLIT_SUFFIX
     bm, bn, _ = kernels.mmq_tile(kind, variant)
@@ -277,8 +279,8 @@ def test_mmq_split_auto(cp, rng, kind):
 
 
 def test_linear_matches_two_steps(cp, rng):
-    from engine import gpu_ops
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.weights import upload_weight
 
     T, N, K = 33, 160, 512
     w = upload_weight(rand_rows(rng, "q4_k", N, K), "Q4_K")
@@ -292,8 +294,8 @@ def test_linear_matches_two_steps(cp, rng):
 @pytest.mark.parametrize("T", [64, 8500])
 def test_default_variant_dispatch(cp, rng, kind, T):
     """gpu_ops.mmq without a variant (the production path), small and large grid."""
-    from engine import gpu_ops
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.weights import upload_weight
 
     N, K = 136, 512
     w = rand_rows(rng, kind, N, K)

@@ -2,7 +2,7 @@
 
 Kernel checks (marker `gpu`; they also run on the CPU emulator tests/cuda_emu when that is
 installed in place of cupy): outputs poisoned before each launch, fresh random inputs.
-    embed            bit-identical to engine.quants dequantization (q4_K, q6_K raw and padded)
+    embed            bit-identical to engine.formats.quants dequantization (q4_K, q6_K raw and padded)
     rmsnorm+q8_1     x + y exact; h within 2e-6 relative of reference.rms_norm; q, d and s
                      bit-identical to quantize_q8_1 of the kernel's own h
     rope             bit-identical to reference.apply_rope (+ bias, * qscale) rounded to f16;
@@ -13,7 +13,7 @@ installed in place of cupy): outputs poisoned before each launch, fresh random i
     swiglu+q8_1      |q d - silu(g) u| <= d/2 (+1e-6 relative), d within 1e-6 relative,
                      s = d * sum(q) exactly
 
-Whole model (marker `gpu`, real GPU only): logits vs engine.reference.ReferenceModel on the same
+Whole model (marker `gpu`, real GPU only): logits vs engine.reference.model.ReferenceModel on the same
 file. Error bound, relative Frobenius norm over the positions compared:
     ||gpu - ref|| / ||ref|| <= 2 x (the error of the same numerics in numpy: q8_1 GEMM inputs,
     f16 Q/K/V/P; tests/gpu_emulation.py), i.e. 2.5e-2 on the synthetic tiny models (emulated
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import quants as Q
+from engine.formats import quants as Q
 
 ROOT = Path(__file__).resolve().parent.parent
 SLICE = ROOT / ".gpu_data" / "slice.gguf"
@@ -82,7 +82,7 @@ def _rand_blocks(rng, kind, rows, K):
 
 
 def _q8(cp, T, K):
-    from engine.gpu_ops import Q8Act
+    from engine.gpu.ops.mmq import Q8Act
 
     q = cp.full((T, K), 0x55, dtype=cp.int8)
     ds = cp.full((T, K // 32, 2), np.nan, dtype=cp.float32)
@@ -94,8 +94,8 @@ def _q8(cp, T, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,padded", [("q4_k", False), ("q6_k", False), ("q6_k", True)])
 def test_embed_rows_bit_exact(cp, rng, kind, padded):
-    from engine import gpu_prefill_ops as P
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import prefill as P
+    from engine.gpu.weights import upload_weight
 
     V, K, n = 37, 512, 11
     rows = _rand_blocks(rng, kind, V, K)
@@ -113,8 +113,8 @@ def test_embed_rows_bit_exact(cp, rng, kind, padded):
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,with_y", [(512, True), (768, False), (1536, True), (4096, True)])
 def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
-    from engine import gpu_prefill_ops as P
-    from engine.reference import rms_norm
+    from engine.gpu.ops import prefill as P
+    from engine.reference.model import rms_norm
 
     R, eps = 6, 1e-5
     x = (rng.standard_normal((R, K)) * rng.uniform(0.1, 30, (R, 1))).astype(np.float32)
@@ -143,8 +143,8 @@ def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused,T,F", [(True, 5, 512), (False, 5, 512), (True, 3, 96)])
 def test_swiglu_q8_1(cp, rng, fused, T, F):
-    from engine import gpu_prefill_ops as P
-    from engine.reference import silu
+    from engine.gpu.ops import prefill as P
+    from engine.reference.model import silu
 
     g = (rng.standard_normal((T, F)) * 4).astype(np.float32)
     u = (rng.standard_normal((T, F)) * 2).astype(np.float32)
@@ -174,9 +174,9 @@ def test_swiglu_q8_1(cp, rng, fused, T, F):
 def test_qkv_rope_bit_exact(cp, rng, rope_type, hd, bias):
     from dataclasses import replace
 
-    from engine import gpu_prefill_ops as P
-    from engine.config import ModelConfig
-    from engine.reference import apply_rope, rope_tables
+    from engine.gpu.ops import prefill as P
+    from engine.formats.config import ModelConfig
+    from engine.reference.model import apply_rope, rope_tables
 
     H, KVH, n, start, maxT = 4, 2, 5, 3, 16
     cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 256, 10, 64, 1e4 if rope_type == "normal" else 1e6,
@@ -229,7 +229,7 @@ def _attention_inputs(rng, H, KVH, hd, n, start, maxT, big=False):
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True)])
 def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
-    from engine import gpu_prefill_ops as P
+    from engine.gpu.ops import prefill as P
     from tests.gpu_emulation import attention_numpy
 
     emulated = getattr(cp, "__emulated__", False)
@@ -292,9 +292,9 @@ def _check(rec):
 @pytest.fixture(scope="module")
 def models(cp, tiny_model_path, tiny_qwen2_model_path):
     _real_gpu(cp)
-    from engine.gpu_model import GPUModel
-    from engine.reference import ReferenceModel
-    from engine.weights import open_model
+    from engine.gpu.model import GPUModel
+    from engine.reference.model import ReferenceModel
+    from engine.formats.weights import open_model
 
     out = {}
     paths = {"tiny": tiny_model_path, "tiny-qwen2": tiny_qwen2_model_path}
@@ -335,7 +335,7 @@ def test_forward_ubatches_and_continuation(models, name):
     """Prompt split into ubatches of 256 and continued in a second forward: same bound."""
     if name not in models:
         pytest.skip(f"{SLICE} missing")
-    from engine.gpu_model import GPUModel
+    from engine.gpu.model import GPUModel
 
     mf, ref, _ = models[name]
     gpu = GPUModel(mf, ubatch=256)
@@ -376,8 +376,8 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
     """GPUModel on the CPU with numpy in place of cupy and of each kernel (tests/gpu_emulation.py):
     fused weight groups, views, ubatches and cache continuation give the reference's logits within
     the bound, and chunking does not change which rows get which positions."""
-    from engine.reference import ReferenceModel
-    from engine.weights import open_model
+    from engine.reference.model import ReferenceModel
+    from engine.formats.weights import open_model
     from tests.gpu_emulation import emulated_gpu
 
     mf = open_model(tiny_qwen2_model_path)
@@ -385,7 +385,7 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
     ids = np.random.default_rng(0).integers(0, mf.config.vocab_size, 150)
     lr = ref.forward(ids, ref.new_cache(150), all_logits=True)
     with emulated_gpu():
-        from engine.gpu_model import GPUModel
+        from engine.gpu.model import GPUModel
 
         g = GPUModel(mf, ubatch=64)
         assert len(g.layers[0].qkv) == 1 and len(g.layers[-1].qkv) == 2    # q4_K qkv | q6_K v
@@ -402,13 +402,13 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
 
 
 def test_gpu_model_rejects_wrong_cache(tiny_model_path):
-    from engine.reference import ReferenceModel
-    from engine.weights import open_model
+    from engine.reference.model import ReferenceModel
+    from engine.formats.weights import open_model
     from tests.gpu_emulation import emulated_gpu
 
     mf = open_model(tiny_model_path)
     with emulated_gpu():
-        from engine.gpu_model import GPUModel
+        from engine.gpu.model import GPUModel
 
         g = GPUModel(mf)
         with pytest.raises(TypeError):

@@ -1,5 +1,5 @@
 """CPU-only: every kernels_cu/*.cu compiles for sm_90 with NVRTC, with the same source
-assembly, options and template instances as at run time (engine.kernels), and the ptxas
+assembly, options and template instances as at run time (engine.gpu.kernels), and the ptxas
 resource usage of each instance is printed (registers, stack frame, spill bytes).
 
 Without NVRTC the test skips, except with the environment variable CI set: then it fails.
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from engine import kernels
+from engine.gpu import kernels
 
 
 def _require_nvrtc():
@@ -25,7 +25,7 @@ def _require_nvrtc():
 def test_kernel_files_found():
     assert "mmq_q4_k.cu" in kernels.kernel_files()
     for f in ("quantize_q8_1.cu", "mmq_q4_k.cu", "mmq_q6_k.cu", "q6k_expand_check.cu"):
-        assert kernels.INSTANCES.get(f), f"{f} has no instances listed in engine.kernels.INSTANCES"
+        assert kernels.INSTANCES.get(f), f"{f} has no instances listed in engine.gpu.kernels.INSTANCES"
 
 
 def test_source_has_line_directives():
@@ -59,7 +59,7 @@ def test_smem_fits_sm90():
 
 
 def test_choose_variant_rule():
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
     # 64-token grid fits on the SMs -> the 64x128 tile; otherwise the 128x128 one
     assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
     big = {k: gpu_ops.DEFAULT_VARIANT[k] + (kernels.MMQ_SPLIT_SUFFIX if gpu_ops.DEFAULT_SPLIT[k] else "")
@@ -84,7 +84,7 @@ def test_split_variant_names():
 
 
 def test_split_plan():
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
     # no partial wave, or a tail too large to cut: no split
     assert gpu_ops.split_plan(264, 132, 16) == (264, 1)
     assert gpu_ops.split_plan(2236, 132, 16) == (2236, 1)        # tail 124: 2 parts > 132 slots
@@ -104,7 +104,7 @@ def test_split_plan():
 
 
 def test_mmq_grid():
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
     g = gpu_ops.mmq_grid("q6_k", "m128n128w8_k256", 3314, 4096, 4096, sm_count=132)
     assert g == gpu_ops.MmqGrid(832, 832, 1, 832, 7.0)
     g = gpu_ops.mmq_grid("q6_k", "m128n128w8_k256+split", 3314, 4096, 4096, sm_count=132)
@@ -123,7 +123,7 @@ def test_mmq_grid():
 
 
 def test_choose_variant_split_flag(monkeypatch):
-    from engine import gpu_ops
+    from engine.gpu.ops import mmq as gpu_ops
     monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q6_k", True)
     monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q4_k", False)
     assert gpu_ops.choose_variant("q6_k", 3314, 4096, sm_count=132) == \

@@ -1,4 +1,4 @@
-"""engine.quants: bit-exact dequantization vs gguf-py, layouts, quantizer error bounds,
+"""engine.formats.quants: bit-exact dequantization vs gguf-py, layouts, quantizer error bounds,
 q8_1 definition (rounding, s = d * sum(q)) and the integer-dot reference GEMMs."""
 
 import os
@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine import quants as Qm
-from engine.quants import (
+from engine.formats import quants as Qm
+from engine.formats.quants import (
     Q4_K_BYTES, Q6_K_BYTES, Q6_K_PADDED_BYTES, QK_K, QK8_1,
     dequantize_q4_k, dequantize_q6_k, dequantize_q8_1, mmq_reference_q4_k, mmq_reference_q6_k,
     quantize_q4_k, quantize_q6_k, quantize_q8_1, repack_q6_k_padded, unpack_q6_k_padded,

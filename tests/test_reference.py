@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import ModelConfig
+from engine.formats.config import ModelConfig
 from engine.generate import generate, top_two
-from engine.reference import ReferenceModel, apply_rope, causal_attention, rms_norm, rope_tables
+from engine.reference.model import ReferenceModel, apply_rope, causal_attention, rms_norm, rope_tables
 
 
 def cfg(rope_type="normal", hd=8):

@@ -23,7 +23,7 @@ MAX_QUEUE = 64
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_path):
     from engine.loader import load_model
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     return load_model(tiny_model_path, device="cpu"), load_tokenizer(tiny_model_path)
 

@@ -1,4 +1,4 @@
-"""engine.synth: tensor plan (q4_K_M layout), files read back with gguf-py, vocabulary
+"""engine.tools.synth: tensor plan (q4_K_M layout), files read back with gguf-py, vocabulary
 consistency, random-block files, and peaked logits on the tiny model."""
 
 import os
@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType as GQ
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine import synth
-from engine.synth import SHAPES, make_vocab, tensor_plan, use_more_bits, write_synthetic
+from engine.tools import synth
+from engine.tools.synth import SHAPES, make_vocab, tensor_plan, use_more_bits, write_synthetic
 
 
 def _field(reader, key):
@@ -166,7 +166,7 @@ def test_chat_template_renders():
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])
 def test_tiny_logits_peaked(tiny_files, name):
     """Forward a prompt through the numpy reference: top-1 margin > 0.5 at most positions."""
-    from engine.reference import ReferenceModel
+    from engine.reference.model import ReferenceModel
     m = ReferenceModel.from_path(tiny_files[name])
     assert m.config.arch == SHAPES[name].arch
     assert m.config.has_qkv_bias == SHAPES[name].qkv_bias
@@ -202,7 +202,7 @@ def test_random_blocks_file(tmp_path, name):
         target = synth._std_for(p, SHAPES[name])
         assert 0.5 * target < x.std() < 2.0 * target, (t.name, x.std(), target)
         assert abs(x.mean()) < 0.2 * x.std(), t.name
-    from engine.reference import ReferenceModel
+    from engine.reference.model import ReferenceModel
     m = ReferenceModel.from_path(path)
     assert np.isfinite(m.forward([1, 2, 3, 4], m.new_cache(8))).all()
 

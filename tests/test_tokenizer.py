@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import GGUFError
-from engine.tokenizer import _BYTE_ENCODER, Tokenizer, load_tokenizer
+from engine.text.tokenizer import _BYTE_ENCODER, Tokenizer, load_tokenizer
 
 MODEL_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ def test_qwen_streaming_bytes(qwen):
 def test_qwen_load_fast_and_cached(qwen):
     import time
 
-    from engine import tokenizer as tk
+    from engine.text import tokenizer as tk
 
     tk._CACHE.clear()
     t = time.perf_counter()
@@ -156,7 +156,7 @@ def test_qwen_decode_rejects_bad_ids(qwen):
 # --------------------------------------------------------------------------- SentencePiece
 
 def test_spm_is_vocab_only_file():
-    from engine.gguf_file import read_metadata
+    from engine.formats.gguf_file import read_metadata
 
     p = goldens_dir() / "spm-vocab-32k.gguf"
     with open(p, "rb") as f:

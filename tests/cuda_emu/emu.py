@@ -2,10 +2,10 @@
 Python plumbing around them on a machine without a GPU (never used by CI or at run time).
 
     from tests.cuda_emu import emu
-    emu.install()        # sys.modules["cupy"] = the fake; engine.kernels.get_kernel -> emulated
+    emu.install()        # sys.modules["cupy"] = the fake; engine.gpu.kernels.get_kernel -> emulated
 
 Arrays are numpy arrays (a subclass with CuPy's .get()); kernels of kernels_cu/*.cu are compiled
-with g++ against cuda_emu.h (one thunk per extern "C" kernel, names from engine.kernels.INSTANCES)
+with g++ against cuda_emu.h (one thunk per extern "C" kernel, names from engine.gpu.kernels.INSTANCES)
 and run block by block, each CUDA thread a fiber. Kernels written with PTX that the emulator
 cannot compile get a numpy stand-in (FALLBACKS). Stream capture records launches; a graph
 replays them. Slow: keep shapes small.
@@ -170,7 +170,7 @@ def _param_types(params: str) -> list[str]:
 
 
 def _build(fname: str):
-    from engine import kernels
+    from engine.gpu import kernels
 
     if fname in _libs:
         return _libs[fname]
@@ -264,7 +264,7 @@ class EmuKernel:
 
 
 def _fb_quantize_q8_1(grid, block, args):
-    from engine.quants import quantize_q8_1
+    from engine.formats.quants import quantize_q8_1
 
     x, q, ds, nblk = args
     n = int(nblk) * 32
@@ -278,7 +278,7 @@ def _fb_quantize_q8_1(grid, block, args):
 def _fb_mmq(kind):
     """MMQ GEMMs (template kernels with tensor-core PTX) through the numpy oracle."""
     def run(grid, block, args):
-        from engine import quants as Q
+        from engine.formats import quants as Q
 
         w, aq, ads, y, T, N, K = args[:7]
         T, N, K = int(T), int(N), int(K)
@@ -311,7 +311,7 @@ def get_kernel(fname, name, dynamic_smem=0):
 # ----------------------------------------------------------------------------- install
 
 def install():
-    """Put the fake cupy in sys.modules and route engine.kernels.get_kernel to the emulator."""
+    """Put the fake cupy in sys.modules and route engine.gpu.kernels.get_kernel to the emulator."""
     cp = types.ModuleType("cupy")
     cp.__emulated__ = True
     cp.ndarray = ndarray
@@ -330,7 +330,7 @@ def install():
     cp.cuda = cuda
     sys.modules["cupy"] = cp
     sys.modules["cupy.cuda"] = cuda
-    from engine import kernels
+    from engine.gpu import kernels
 
     kernels.get_kernel = get_kernel
     return cp

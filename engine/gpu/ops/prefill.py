@@ -2,7 +2,7 @@
 
 Arrays are cupy arrays on the current device; every function launches on the current stream
 and returns without synchronizing. The GEMMs and the plain q8_1 quantizer are in
-engine.gpu_ops (mmq, quantize_q8_1, Q8Act); the functions here produce and consume the same
+engine.gpu.ops.mmq (mmq, quantize_q8_1, Q8Act); the functions here produce and consume the same
 Q8Act layout (q int8 [T, K], ds float32 [T, K/32, 2] = (d, s)).
 
     embed(table, ids_dev, x)                                 embed.cu
@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from engine import kernels
+from engine.gpu import kernels
 
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128

@@ -1,6 +1,6 @@
-"""Kernel names of the decode-step .cu files (engine/gpu_decode.py launches them).
+"""Kernel names of the decode-step .cu files (engine/gpu/decode.py launches them).
 
-A leaf module (no imports) so that engine.kernels can list these instances for its CPU
+A leaf module (no imports) so that engine.gpu.kernels can list these instances for its CPU
 compile check without importing the decode engine. Every kernel here is an `extern "C"`
 wrapper, so its name is also its lowered name.
 """

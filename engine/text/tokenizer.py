@@ -708,8 +708,8 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- chat
     def render_chat(self, messages, add_generation_prompt: bool = True, **extra) -> str:
-        """Render `messages` with the file's tokenizer.chat_template (see engine.chat)."""
-        from engine import chat
+        """Render `messages` with the file's tokenizer.chat_template (see engine.text.chat)."""
+        from engine.text import chat
 
         if not self.chat_template:
             raise GGUFError(f"{self.source}: has no tokenizer.chat_template; chat is not available")
@@ -793,7 +793,7 @@ class StreamDecoder:
 # ---------------------------------------------------------------------------------------------
 
 def _read_metadata(path: str) -> dict[str, Any]:
-    from engine.gguf_file import read_metadata  # metadata only: vocabulary-only files work
+    from engine.formats.gguf_file import read_metadata  # metadata only: vocabulary-only files work
 
     return read_metadata(path)
 
@@ -804,7 +804,7 @@ _CACHE_LOCK = threading.Lock()
 
 def load_tokenizer(path_or_metadata, source: str | None = None) -> Tokenizer:
     """Tokenizer for a GGUF path (cached per file within the process), a metadata dict, or an
-    object with ``.metadata`` (and ``.path``), e.g. engine.gguf_file.GGUFFile."""
+    object with ``.metadata`` (and ``.path``), e.g. engine.formats.gguf_file.GGUFFile."""
     if isinstance(path_or_metadata, Mapping):
         return Tokenizer.from_metadata(path_or_metadata, source or "<metadata>")
     if hasattr(path_or_metadata, "metadata") and not isinstance(path_or_metadata, (str, os.PathLike)):

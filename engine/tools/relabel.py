@@ -10,7 +10,7 @@ import os
 import shutil
 import struct
 
-from engine.gguf_file import _Cursor, _open_mapped, _read_value, _scan_container
+from engine.formats.gguf_file import _Cursor, _open_mapped, _read_value, _scan_container
 
 
 def _string(s: str) -> bytes:

@@ -16,8 +16,8 @@ import os
 import numpy as np
 
 from engine.errors import UsageError
-from engine.gguf_file import GGML_TYPES
-from engine.weights import layer_name, open_model
+from engine.formats.gguf_file import GGML_TYPES
+from engine.formats.weights import layer_name, open_model
 
 _SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "padding_token_id",
                     "unknown_token_id", "sep_token_id", "eom_token_id")

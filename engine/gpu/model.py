@@ -1,6 +1,6 @@
-"""The GPU backend: the forward of engine/reference.py over CUDA kernels, KV cache on the device.
+"""The GPU backend: the forward of engine/reference/model.py over CUDA kernels, KV cache on the device.
 
-Same interface as engine.reference.ReferenceModel (docs/ARCHITECTURE.md, Backend protocol):
+Same interface as engine.reference.model.ReferenceModel (docs/ARCHITECTURE.md, Backend protocol):
 `config`, `device = "gpu"`, `new_cache(max_tokens)`, `forward(ids, cache, all_logits=False)`
 -> numpy float32 logits ([vocab] for the last token, [n, vocab] with all_logits).
 
@@ -40,10 +40,10 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import gpu_prefill_ops as P
-from engine.config import ModelConfig
+from engine.gpu.ops import prefill as P
+from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
-from engine.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
+from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
 
 DEFAULT_UBATCH = 4096
 _NULL = nullcontext()
@@ -70,7 +70,7 @@ class GPUKVCache:
         self.v = cp.zeros(shape, dtype=cp.float16)
         self.max_tokens = max_tokens
         self.length = 0
-        self.plan = None          # engine.gpu_decode attaches its decode plan here
+        self.plan = None          # engine.gpu.decode attaches its decode plan here
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +78,7 @@ class GPUKVCache:
 
     def decode_kv(self):
         """(k_layers, v_layers, tok_stride, head_stride, kv_dtype, max_tokens) for
-        engine.gpu_decode.decode_plan: element (t, kvh, i) at t*tok_stride + kvh*head_stride + i."""
+        engine.gpu.decode.decode_plan: element (t, kvh, i) at t*tok_stride + kvh*head_stride + i."""
         hd = int(self.k.shape[3])
         return ([self.k[i] for i in range(self.k.shape[0])], [self.v[i] for i in range(self.v.shape[0])],
                 hd, self.max_tokens * hd, "f16", self.max_tokens)
@@ -168,12 +168,12 @@ class GPUModel:
     """The GPU backend (see the module docstring)."""
 
     device = "gpu"
-    decode_graph = True       # single-token forwards go through engine.gpu_decode's graph
+    decode_graph = True       # single-token forwards go through engine.gpu.decode's graph
 
     def __init__(self, model: ModelFile, progress: bool = False, ubatch: int = DEFAULT_UBATCH,
                  pad_q6k: bool = True):
         cp = _cp()
-        from engine.gpu_weights import upload_weight
+        from engine.gpu.weights import upload_weight
 
         self.file = model
         self.config = cfg = model.config
@@ -277,7 +277,7 @@ class GPUModel:
 
     def forward(self, ids: Sequence[int], cache: GPUKVCache, all_logits: bool = False) -> np.ndarray:
         if len(ids) == 1 and not all_logits and self.decode_graph:   # a decode step: CUDA graph
-            from engine.gpu_decode import decode_step
+            from engine.gpu.decode import decode_step
 
             return decode_step(self, ids, cache)
         out = self.forward_device(ids, cache, all_logits)
@@ -316,7 +316,7 @@ class GPUModel:
     # ------------------------------------------------------------------ the forward
 
     def _ensure_rope(self, n_pos: int) -> None:
-        from engine.reference import rope_tables
+        from engine.reference.model import rope_tables
 
         have = 0 if self._rope_cos is None else int(self._rope_cos.shape[0])
         if have >= n_pos:
@@ -327,14 +327,14 @@ class GPUModel:
         self._rope_cos, self._rope_sin = cp.asarray(cos), cp.asarray(sin)
 
     def _gemm(self, w, act, out=None):
-        from engine.gpu_ops import mmq
+        from engine.gpu.ops.mmq import mmq
 
         with self._span("gemm_" + w.kind):
             return mmq(w, act, out=out)
 
     def _ubatch(self, ids_dev, start: int, cache: GPUKVCache, all_rows: bool):
         cp = _cp()
-        from engine.gpu_ops import Q8Act
+        from engine.gpu.ops.mmq import Q8Act
 
         cfg = self.config
         T = int(ids_dev.shape[0])
@@ -385,7 +385,7 @@ class GPUModel:
         with self._span("rmsnorm_q8"):
             P.add_rmsnorm_q8_1(xr, yr, self.output_norm, eps, a_o)
         with self._span("gemm_output_" + self.output_w.kind):
-            from engine.gpu_ops import mmq
+            from engine.gpu.ops.mmq import mmq
 
             return mmq(self.output_w, a_o)
 
@@ -404,10 +404,10 @@ class GPUModel:
     # ------------------------------------------------------------------ decode hand-off
 
     def decode_weights(self):
-        """engine.gpu_decode.DecodeWeights over this model's device weights (views, no copies)."""
+        """engine.gpu.decode.DecodeWeights over this model's device weights (views, no copies)."""
         if self._decode_weights is None:
-            from engine import gpu_decode as GD
-            from engine.gpu_weights import DeviceWeight
+            from engine.gpu import decode as GD
+            from engine.gpu.weights import DeviceWeight
 
             cfg = self.config
 

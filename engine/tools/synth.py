@@ -42,7 +42,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GQ
 from gguf import GGUFWriter
 
-from engine import quants
+from engine.formats import quants
 
 LOGIT_STD = 16.0          # target std of the logits (peaked: mean top-1 margin ~ LOGIT_STD/3.5)
 FILE_TYPE_Q4_K_M = 15
@@ -387,7 +387,7 @@ def write_synthetic(path, shape: str, random_blocks: bool = False, seed: int = 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.synth", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.tools.synth", description=__doc__.splitlines()[0])
     ap.add_argument("path")
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--random-blocks", action="store_true")

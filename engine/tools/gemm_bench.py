@@ -1,6 +1,6 @@
 """GEMM microbenchmark: the MMQ kernels on the 7B shapes against cuBLAS on f16 weights.
 
-    python -m engine.gemm_bench [--tokens 512,3314] [--variants all|default|NAME,..] [--reps 20]
+    python -m engine.tools.gemm_bench [--tokens 512,3314] [--variants all|default|NAME,..] [--reps 20]
                                 [--shapes 7b|sweep|KIND:NxK,..] [--json OUT.json]
 
 For each (kind, N x K) and token count T: random valid blocks (random bytes, sane f16 scales),
@@ -8,11 +8,11 @@ x ~ N(0, 1) quantized on the device; times (CUDA events, median of --reps after 
 L2 flushed by a 256 MB memset before every timed run) of
   - quantize_q8_1 of x [T, K],
   - mmq for each tile variant (a NAME+split variant: the same instance with the tail split,
-    engine.gpu_ops.split_plan; the `waves` column is gpu_ops.mmq_grid's predicted duration in
+    engine.gpu.ops.mmq.split_plan; the `waves` column is gpu_ops.mmq_grid's predicted duration in
     whole-tile waves),
   - cupy.matmul(x16 [T, K], W16^T) with W16 the host-dequantized weights in f16 (cuBLAS),
 and the same-run ratio = cuBLAS ms / MMQ ms (the MMQ rate as a fraction of cuBLAS's).
-Each MMQ output is checked on 16 sampled weight rows against engine.quants' float64 oracle
+Each MMQ output is checked on 16 sampled weight rows against engine.formats.quants' float64 oracle
 (error_bound: |y - ref| <= (K/16 + 4) 2^-24 S, S the sum of term magnitudes).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from engine import quants as Q
+from engine.formats import quants as Q
 
 # (kind, N, K): llama2-7b linear layers (q4_K_M puts q6_K on attn_v / ffn_down in some layers
 # and on output.weight).
@@ -117,7 +117,7 @@ def error_bound(kind: str, variant: str, K: int, S, S_min):
     accumulation of 8 products (<= 8 x 2^-22 of their magnitude): + 40 u S_min.
     The tail split ("+split") sums each part's terms, then the P parts in order: a term sees
     at most (its part's terms) + 3 + (P - 1) <= K/16 + 3 roundings, the same bound."""
-    from engine.kernels import mmq_uses_tc
+    from engine.gpu.kernels import mmq_uses_tc
     b = (K / 16 + 4) * U32 * S
     if mmq_uses_tc(kind, variant):
         b = b + 40 * U32 * S_min
@@ -151,8 +151,9 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
         verify_rows: int = 16, log=print) -> list[dict]:
     import cupy as cp
 
-    from engine import gpu_ops, kernels
-    from engine.gpu_weights import upload_weight
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu import kernels
+    from engine.gpu.weights import upload_weight
 
     shapes = shapes or SHAPES_7B
     rng = np.random.default_rng(seed)
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     print(f"# device {name} sm_{props['major']}{props['minor']}, "
           f"{props['multiProcessorCount']} SMs; cupy {cp.__version__}")
-    from engine import kernels
+    from engine.gpu import kernels
     for kind in ("q4_k", "q6_k"):
         if kind not in {sk for sk, _, _ in shapes}:
             continue

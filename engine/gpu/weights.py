@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.quants import Q4_K_BYTES, Q6_K_BYTES, Q6_K_PADDED_BYTES, QK_K
+from engine.formats.quants import Q4_K_BYTES, Q6_K_BYTES, Q6_K_PADDED_BYTES, QK_K
 
 GGML_Q4_K = 12
 GGML_Q6_K = 14
@@ -87,5 +87,5 @@ def upload_weight(blocks, ggml_type, pad_q6k: bool = True) -> DeviceWeight:
 
 
 def upload_tensor(info, pad_q6k: bool = True) -> DeviceWeight:
-    """engine.gguf_file.TensorInfo (a Q4_K / Q6_K matrix) -> DeviceWeight."""
+    """engine.formats.gguf_file.TensorInfo (a Q4_K / Q6_K matrix) -> DeviceWeight."""
     return upload_weight(info.data, info.ggml_type, pad_q6k=pad_q6k)

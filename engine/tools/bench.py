@@ -14,7 +14,7 @@ every launch; the time is summed per op kind (ms and % of the instrumented forwa
 up into q4_K GEMMs, q6_K GEMMs, attention, norms/rope/rest, activation quantization. The
 rmsnorm and SwiGLU kernels quantize their own output to q8_1 (fused), so "activation
 quantization" is those fused kernels; attention's q8_1 output is inside "attention".
-tg rows (-n) use engine.gpu_decode.bench_decode when that module is present.
+tg rows (-n) use engine.gpu.decode.bench_decode when that module is present.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from engine.errors import UsageError
 
 FILE_TYPES = {0: "F32", 1: "F16", 7: "Q8_0", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K"}
 
-# op kind (engine.gpu_model spans) -> issue category
+# op kind (engine.gpu.model spans) -> issue category
 CATEGORIES = {
     "gemm_q4_k": "q4_K GEMMs",
     "gemm_q6_k": "q6_K GEMMs",
@@ -122,7 +122,7 @@ def parse_int_list(text: str, what: str, minimum: int = 0) -> list[int]:
 
 
 def model_info(path: str) -> ModelInfo:
-    from engine.gguf_file import open_gguf
+    from engine.formats.gguf_file import open_gguf
 
     gf = open_gguf(path)
     size = sum(t.n_bytes for t in gf.tensors.values())
@@ -195,9 +195,9 @@ def bench_tg(model, n_gen: int, depth: int = 0, reps: int = 5) -> Row:
     if getattr(model, "device", "cpu") != "gpu":
         raise UsageError("tg rows (-n) need the GPU decode path (--device gpu)")
     try:
-        from engine.gpu_decode import bench_decode
+        from engine.gpu.decode import bench_decode
     except ImportError as e:
-        raise UsageError(f"tg rows (-n) need engine.gpu_decode, which is not available ({e})") from None
+        raise UsageError(f"tg rows (-n) need engine.gpu.decode, which is not available ({e})") from None
     ts = [float(v) for v in bench_decode(model, n_gen=n_gen, depth=depth, reps=reps)]
     test = f"tg{n_gen}" + (f" @ d{depth}" if depth else "")
     return Row(test, 0, n_gen, depth, ts, [n_gen / t * 1e3 for t in ts], _backend(model))
@@ -205,7 +205,7 @@ def bench_tg(model, n_gen: int, depth: int = 0, reps: int = 5) -> Row:
 
 def breakdown_pp(model, n_prompt: int, depth: int = 0, plain_ms: float = 0.0, seed: int = 0) -> Breakdown:
     """One instrumented prefill (after the timed ones): per-op-kind CUDA event totals."""
-    from engine.gpu_model import OpTimer
+    from engine.gpu.model import OpTimer
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, model.config.vocab_size, depth + n_prompt).tolist()
@@ -280,7 +280,7 @@ def to_json(info: ModelInfo, rows: list[Row], breakdowns: list[Breakdown], extra
 # ----------------------------------------------------------------------------- main
 
 def main(args) -> int:
-    from engine.fetch import resolve_model
+    from engine.tools.fetch import resolve_model
     from engine.loader import load_model
 
     prompts = [p for p in parse_int_list(args.p, "-p") if p > 0]

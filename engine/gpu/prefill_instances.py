@@ -1,6 +1,6 @@
 """Kernel names of the prefill kernels (extern "C" entry points), per kernels_cu file.
 
-A leaf module (no imports) so engine.kernels can register them in INSTANCES: the CPU compile
+A leaf module (no imports) so engine.gpu.kernels can register them in INSTANCES: the CPU compile
 check then reports their registers/spills, and CuPy compiles them with the same names.
 """
 PREFILL_INSTANCES: dict[str, tuple[str, ...]] = {

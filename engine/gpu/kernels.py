@@ -21,7 +21,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
+import kernels_cu
+
+KERNEL_DIR = Path(kernels_cu.__file__).resolve().parent
 
 # Options we pass; CuPy appends -arch=sm_XX, -ftz=true and --device-as-default-execution-space.
 OPTIONS: tuple[str, ...] = ("--std=c++17",)
@@ -57,7 +59,7 @@ def mmq_variants(kind: str) -> list[str]:
 
 
 # A variant name may end in MMQ_SPLIT_SUFFIX: the same tile configuration launched with the tail
-# split (the tiles of the last, partial wave cut along K: engine.gpu_ops.split_plan), i.e. its
+# split (the tiles of the last, partial wave cut along K: engine.gpu.ops.mmq.split_plan), i.e. its
 # whole-tile instance, then its split-part instance (mmq_instance(..., split_part=True)).
 MMQ_SPLIT_SUFFIX = "+split"
 
@@ -115,13 +117,13 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v in mmq_variants("q4_k") for sp in (False, True)),
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v in mmq_variants("q6_k") for sp in (False, True)),
 }
-try:  # decode-step kernels (engine/decode_kernels.py is a leaf module listing their names)
-    from engine.decode_kernels import DECODE_INSTANCES as _DECODE_INSTANCES
+try:  # decode-step kernels (engine/gpu/decode_instances.py is a leaf module listing their names)
+    from engine.gpu.decode_instances import DECODE_INSTANCES as _DECODE_INSTANCES
 except ImportError:  # pragma: no cover - absent in trees without the decode kernels
     _DECODE_INSTANCES = {}
 INSTANCES.update(_DECODE_INSTANCES)
-# Prefill kernels (engine/gpu_model.py): extern "C" names listed in a leaf module.
-from engine.prefill_kernels import PREFILL_INSTANCES  # noqa: E402
+# Prefill kernels (engine/gpu/model.py): extern "C" names listed in a leaf module.
+from engine.gpu.prefill_instances import PREFILL_INSTANCES  # noqa: E402
 INSTANCES.update(PREFILL_INSTANCES)
 
 
@@ -279,6 +281,6 @@ def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> li
     return out
 
 
-if __name__ == "__main__":  # python -m engine.kernels: print the sm_90 resource table
+if __name__ == "__main__":  # python -m engine.gpu.kernels: print the sm_90 resource table
     for r in compile_for_check():
         print(r.line())

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
+from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
-from engine.gguf_file import GGUFFile, TensorInfo, open_gguf
+from engine.formats.gguf_file import GGUFFile, TensorInfo, open_gguf
 
 MATRIX_TYPES = ("Q4_K", "Q6_K", "F16", "F32")
 VECTOR_TYPES = ("F32",)

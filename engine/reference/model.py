@@ -21,11 +21,11 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import quants
-from engine.config import ModelConfig
+from engine.formats import quants
+from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
-from engine.gguf_file import TensorInfo
-from engine.weights import LAYER_MATRICES, LAYER_NORMS, QKV_BIASES, ModelFile, layer_name, open_model
+from engine.formats.gguf_file import TensorInfo
+from engine.formats.weights import LAYER_MATRICES, LAYER_NORMS, QKV_BIASES, ModelFile, layer_name, open_model
 
 _ROW_CHUNK = 2048  # rows dequantized at a time: bounds the temporaries
 

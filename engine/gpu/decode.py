@@ -24,9 +24,9 @@ graph back to back with the token chained on the device and reads the emitted id
 
 Backends:
 - `DecodeModel`: a self-contained GPU backend (Backend protocol of docs/ARCHITECTURE.md) that
-  uploads the weights itself (engine.gpu_weights) and feeds a prompt through decode steps.
+  uploads the weights itself (engine.gpu.weights) and feeds a prompt through decode steps.
 - `attach(gpu_model)` / `DecodePlan.for_cache(...)`: the same plan over weights and a KV cache
-  that another module owns (engine.gpu_model's prefill), given per-layer K/V views and strides.
+  that another module owns (engine.gpu.model's prefill), given per-layer K/V views and strides.
 
 `bench_decode(model, n_gen, depth, reps)` measures tg rows (tok/s per rep), llama-bench style.
 """
@@ -39,9 +39,9 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import decode_kernels as DK
-from engine import kernels
-from engine.config import ModelConfig
+from engine.gpu import decode_instances as DK
+from engine.gpu import kernels
+from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
 
 MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
@@ -92,7 +92,7 @@ class EmbedTable:
 class DecodeLayer:
     attn_norm: object
     ffn_norm: object
-    attn_q: object            # engine.gpu_weights.DeviceWeight
+    attn_q: object            # engine.gpu.weights.DeviceWeight
     attn_k: object
     attn_v: object
     attn_output: object
@@ -113,10 +113,10 @@ class DecodeWeights:
 
     @classmethod
     def upload(cls, model_file, pad_q6k: bool = True, progress: bool = False) -> "DecodeWeights":
-        """Every tensor of a validated engine.weights.ModelFile to the current device."""
+        """Every tensor of a validated engine.formats.weights.ModelFile to the current device."""
         cp = _cp()
-        from engine.gpu_weights import upload_tensor
-        from engine.weights import layer_name
+        from engine.gpu.weights import upload_tensor
+        from engine.formats.weights import layer_name
 
         cfg = model_file.config
         total = [0]
@@ -174,7 +174,7 @@ def embed_table(info, shared=None, pad_q6k: bool = True) -> EmbedTable:
     if shared is not None:
         return EmbedTable(shared.data, shared.type_name, shared.cols, shared.block_stride)
     if tn in ("Q4_K", "Q6_K"):
-        from engine.gpu_weights import upload_tensor
+        from engine.gpu.weights import upload_tensor
 
         w = upload_tensor(info, pad_q6k=pad_q6k)
         return EmbedTable(w.data, tn, cols, w.block_stride)
@@ -315,8 +315,8 @@ class DecodePlan:
                  n_split: int | None = None, hist_cap: int = 4096,
                  unroll: int | None = None, fuse_combine: bool | None = None, fuse_norm: bool | None = None):
         cp = _cp()
-        from engine.gpu_ops import Q8Act
-        from engine.reference import rope_tables
+        from engine.gpu.ops.mmq import Q8Act
+        from engine.reference.model import rope_tables
 
         self.w = weights
         cfg = self.cfg = weights.config
@@ -543,7 +543,7 @@ class DecodeModel:
 
     @classmethod
     def from_path(cls, path, **kw) -> "DecodeModel":
-        from engine.weights import open_model
+        from engine.formats.weights import open_model
 
         return cls(open_model(path), **kw)
 
@@ -592,7 +592,7 @@ def _plan_for(model, cache):
 
 
 def decode_plan(gpu_model, cache) -> DecodePlan:
-    """The DecodePlan of a cache of another backend (engine.gpu_model.GPUModel): it must expose
+    """The DecodePlan of a cache of another backend (engine.gpu.model.GPUModel): it must expose
     `decode_weights()` -> DecodeWeights and the cache `decode_kv()` -> (k_layers, v_layers,
     tok_stride, head_stride, kv_dtype, max_tokens)."""
     plan = getattr(cache, "plan", None)
@@ -703,7 +703,7 @@ def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PE
     `iters` timed launches after a warm-up. The layer-0 (and, if different, the last layer's)
     matrices and the output matrix."""
     cp = _cp()
-    from engine.gpu_ops import Q8Act
+    from engine.gpu.ops.mmq import Q8Act
 
     cfg = weights.config
     out = []
@@ -765,12 +765,12 @@ def parse_variant(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    """python -m engine.gpu_decode --model M [-n 128] [-d 0,3314] [-r 5] [--variants ...] [--json F]"""
+    """python -m engine.gpu.decode --model M [-n 128] [-d 0,3314] [-r 5] [--variants ...] [--json F]"""
     import argparse
     import json
     import os
 
-    p = argparse.ArgumentParser(prog="python -m engine.gpu_decode")
+    p = argparse.ArgumentParser(prog="python -m engine.gpu.decode")
     p.add_argument("--model", required=True)
     p.add_argument("-n", type=int, default=128)
     p.add_argument("-d", default="0")

@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine import kernels
-from engine.gpu_weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
+from engine.gpu import kernels
+from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
-# Tile variant per kernel family (engine.kernels.MMQ_CONFIGS), chosen from the measurements in
+# Tile variant per kernel family (engine.gpu.kernels.MMQ_CONFIGS), chosen from the measurements in
 # docs/perf-log.md: the 128x128 tiles (8 warps of 64x32, KS 256) are fastest once the grid
 # fills the GPU; while the 64-token grid still fits on the SMs (one block each), a lone
 # 64x128 block finishes ~1.5x sooner than a lone 128x128 one, so short prompts use it.
@@ -135,7 +135,7 @@ def _check_dev(a, dtype, shape, what):
 
 def quantize_q8_1(x, out: Q8Act | None = None) -> Q8Act:
     """f32 activations [T, K] (K % 32 == 0) -> q8_1 blocks, bit-identical to
-    engine.quants.quantize_q8_1 (d = ds[..., 0], s = ds[..., 1])."""
+    engine.formats.quants.quantize_q8_1 (d = ds[..., 0], s = ds[..., 1])."""
     import cupy as cp
 
     if x.ndim != 2 or x.shape[1] % 32:
