@@ -161,7 +161,7 @@ def _check_addnorm(cp, got_y, nw, eps, oq, ods):
                          ids=lambda v: f"R{v[0]}U{v[1]}")
 @pytest.mark.parametrize("mode", ["store", "add", "swiglu", "addnorm"])
 def test_mmvq(cp, rng, layout, variant, mode):
-    from engine.gpu.decode import mmvq_launch
+    from engine.gpu.ops.mmvq import mmvq_launch
     from engine.gpu.weights import upload_weight
 
     rows_per_warp, unroll = variant
@@ -230,7 +230,7 @@ def test_mmvq(cp, rng, layout, variant, mode):
 
 def test_mmvq_segments(cp, rng):
     """q, k, v in one launch: three matrices, three outputs, ragged row counts."""
-    from engine.gpu.decode import mmvq_launch
+    from engine.gpu.ops.mmvq import mmvq_launch
     from engine.gpu.weights import upload_weight
 
     K = 512
@@ -263,7 +263,7 @@ ATT_LENGTHS = [1, 100, 300] if EMU else [1, 100, 3314]
 @pytest.mark.parametrize("L", ATT_LENGTHS)
 @pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
 def test_attention_decode(cp, rng, cfg, L, fused):
-    from engine.gpu.decode import attention_launch
+    from engine.gpu.ops.attention_decode import attention_launch
 
     H, KVH, hd, dt, layout = cfg
     T = L + 5                                                    # cache capacity > length
@@ -445,7 +445,8 @@ def test_quantize_row_q8(cp, rng):
 def test_qkv_post(cp, rng, rope):
     from engine.gpu import kernels
     from engine.formats.config import ModelConfig
-    from engine.reference.model import apply_rope, rope_tables
+    from engine.formats.rope import rope_tables
+    from engine.reference.model import apply_rope
 
     H, KVH, hd, T = 4, 2, 64, 40
     cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 512, 100, 2048, 1e4, rope, 1e-5, True, False)

@@ -176,7 +176,8 @@ def test_qkv_rope_bit_exact(cp, rng, rope_type, hd, bias):
 
     from engine.gpu.ops import prefill as P
     from engine.formats.config import ModelConfig
-    from engine.reference.model import apply_rope, rope_tables
+    from engine.formats.rope import rope_tables
+    from engine.reference.model import apply_rope
 
     H, KVH, n, start, maxT = 4, 2, 5, 3, 16
     cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 256, 10, 64, 1e4 if rope_type == "normal" else 1e6,

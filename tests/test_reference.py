@@ -6,7 +6,8 @@ import pytest
 
 from engine.formats.config import ModelConfig
 from engine.generate import generate, top_two
-from engine.reference.model import ReferenceModel, apply_rope, causal_attention, rms_norm, rope_tables
+from engine.formats.rope import rope_tables
+from engine.reference.model import ReferenceModel, apply_rope, causal_attention, rms_norm
 
 
 def cfg(rope_type="normal", hd=8):

@@ -20,27 +20,13 @@ from typing import Any
 import numpy as np
 
 from engine.errors import GGUFError
+from engine.formats.qtypes import KNOWN_UNSUPPORTED, QTYPES
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_ELEMENTS = 1 << 40  # far above any 7B-class tensor, far below overflow
-
-# ggml type id -> (name, elements per block, bytes per block). Only the first four are supported;
-# the rest are known so that the error for them can name the type.
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    12: ("Q4_K", 256, 144),
-    14: ("Q6_K", 256, 210),
-}
-KNOWN_UNSUPPORTED_TYPES = {
-    2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
-    13: "Q5_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
-    21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
-}
 
 # GGUF metadata value types: id -> (name, fixed size or None)
 _VALUE_TYPES = {
@@ -226,11 +212,12 @@ def _scan_container(buf, path: str):
     data_start = (cur.pos + alignment - 1) // alignment * alignment
     data_size = cur.size - data_start
     for name, dims, ttype, offset in tensors:
-        if ttype not in GGML_TYPES:
-            known = KNOWN_UNSUPPORTED_TYPES.get(ttype)
+        if ttype not in QTYPES:
+            known = KNOWN_UNSUPPORTED.get(ttype)
             what = f"type {known} (id {ttype}) is not supported" if known else f"unknown type id {ttype}"
             raise GGUFError(f"{path}: tensor '{name}': {what}; supported: F32, F16, Q4_K, Q6_K")
-        tname, block, block_bytes = GGML_TYPES[ttype]
+        qt = QTYPES[ttype]
+        tname, block, block_bytes = qt.name, qt.block_elems, qt.block_bytes
         n_elem = 1
         for d in dims:
             if d == 0 or d > MAX_ELEMENTS:
@@ -292,7 +279,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     expected = {name: (dims, ttype) for name, dims, ttype, _ in scanned}
     for t in reader.tensors:
         dims, ttype = expected[t.name]
-        tname, block, block_bytes = GGML_TYPES[ttype]
+        qt = QTYPES[ttype]
+        tname, block, block_bytes = qt.name, qt.block_elems, qt.block_bytes
         shape = tuple(int(d) for d in reversed(dims))
         n_bytes = int(np.prod(dims)) // block * block_bytes
         if int(t.n_bytes) != n_bytes or t.data.nbytes != n_bytes:

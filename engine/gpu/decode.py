@@ -43,16 +43,13 @@ from engine.gpu import decode_instances as DK
 from engine.gpu import kernels
 from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
+from engine.gpu.ops.attention_decode import attention_launch, attention_splits
+from engine.gpu.ops.mmvq import DEFAULT_ROWS_PER_WARP, DEFAULT_UNROLL, NORM_MAX, mmvq_launch
 
-MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
-ATT_TK = 64               # keys per attention tile (attention_decode.cu)
-NORM_MAX = 8192           # MMVQ addnorm: longest vector its last block normalizes
 # Step variant, from the measured grid (docs/perf-log.md, decode run 2): 1 row per warp with
 # run 1's loop is the fastest now (tg128 409-410 tok/s); batched loads (U > 0), the fused
 # combine (no gain) and the fused norm tail (274 tok/s: one block normalizes serially) stay
 # selectable but off.
-DEFAULT_ROWS_PER_WARP = 1
-DEFAULT_UNROLL = 0        # MMVQ load batch (0: run 1's loop)
 FUSE_COMBINE = False      # attention combine in the split kernel's last block
 FUSE_NORM = False         # rmsnorm + q8_1 in the residual-add GEMV's last block
 
@@ -182,91 +179,6 @@ def embed_table(info, shared=None, pad_q6k: bool = True) -> EmbedTable:
     return EmbedTable(cp.asarray(raw), tn, cols, 0)
 
 
-# ----------------------------------------------------------------------------- launches
-
-def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
-                rows_per_warp: int = DEFAULT_ROWS_PER_WARP, unroll: int = DEFAULT_UNROLL,
-                norm: tuple | None = None) -> None:
-    """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
-
-    store:   up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
-    add:     one matrix, outs[0] += W x.
-    swiglu:  weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
-    addnorm: add, then the launch's last block writes q8_1(rmsnorm(outs[0]) * nw) with
-             norm = (nw, eps, oq, ods, counter uint32[1], zero between launches).
-    """
-    w0 = weights[0]
-    kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
-    for w in weights:
-        if w.kind != kind or bool(getattr(w, "padded", False)) != padded or int(w.cols) != K:
-            raise ValueError("mmvq: matrices of one launch must share kind, layout and K")
-    if mode == "swiglu":
-        if len(weights) != 2 or weights[1].rows != w0.rows:
-            raise ValueError("mmvq swiglu: needs (gate, up) with the same rows")
-        segs = [w0]
-    elif mode in ("add", "addnorm"):
-        if len(weights) != 1:
-            raise ValueError(f"mmvq {mode}: one matrix")
-        segs = [w0]
-        if mode == "addnorm" and (norm is None or int(w0.rows) > NORM_MAX):
-            raise ValueError(f"mmvq addnorm: needs norm=(...) and at most {NORM_MAX} rows")
-    else:
-        if not 1 <= len(weights) <= 3:
-            raise ValueError("mmvq store: 1 to 3 matrices")
-        segs = list(weights)
-    rpb = MMVQ_NW * rows_per_warp
-    nbs = [-(-int(w.rows) // rpb) for w in segs]
-    grid = sum(nbs)
-    nb1 = nbs[0]
-    nb2 = nb1 + (nbs[1] if len(nbs) > 1 else 0)
-    ws = [w.data for w in weights] + [w0.data] * (3 - len(weights))
-    ys = list(outs) + [outs[0]] * (3 - len(outs))
-    ns = [int(w.rows) for w in segs] + [0] * (3 - len(segs))
-    if norm is None:
-        tail = (_null(), np.float32(0), _null(), _null(), _null())
-    else:
-        nw, eps, oq, ods, counter = norm
-        tail = (nw, np.float32(eps), oq, ods, counter)
-    name = DK.mmvq_name(kind, rows_per_warp, mode, padded, unroll)
-    k = _k("mmvq_q4_k.cu" if kind == "q4_k" else "mmvq_q6_k.cu", name)
-    if grid:
-        k((grid,), (MMVQ_NW * 32,), (ws[0], ws[1], ws[2], ys[0], ys[1], ys[2],
-                                     np.int32(ns[0]), np.int32(ns[1]), np.int32(ns[2]),
-                                     np.int32(nb1), np.int32(nb2), xq, xds, np.int32(K)) + tail)
-
-
-def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) -> int:
-    """Splits over keys: enough blocks to fill the GPU (about 4 per SM) at the longest context,
-    but at least a tile of keys per split."""
-    if n_sm is None:
-        n_sm = _cp().cuda.Device().attributes["MultiProcessorCount"]
-    return max(1, min(-(-max_tokens // ATT_TK), -(-4 * n_sm // n_kv_heads)))
-
-
-def attention_launch(q, k_layer, v_layer, tok_stride: int, head_stride: int, pos_dev,
-                     n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_split: int,
-                     part_o, part_ml, oq, ods, out=None, counters=None) -> None:
-    """Decode attention of q [H, hd] (float32) over keys 0..pos (pos read on the device):
-    split kernel + combine kernel (or, with `counters` uint32 [KVH] zeroed, the combine fused
-    into the split kernel's last block per KV head); writes q8_1 (oq, ods) and, if given,
-    float32 `out`."""
-    group = n_heads // n_kv_heads
-    if group not in DK.ATTN_GROUPS or head_dim not in DK.ATTN_HEAD_DIMS:
-        raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
-                        f"is not compiled (groups {DK.ATTN_GROUPS}, head sizes {DK.ATTN_HEAD_DIMS})")
-    scale = np.float32(1.0 / np.sqrt(head_dim))
-    o = out if out is not None else _null()
-    ks = _k("attention_decode.cu", DK.attn_split_name(head_dim, group, kv_dtype))
-    if counters is not None:
-        ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                           pos_dev, scale, part_o, part_ml, counters, o, oq, ods))
-        return
-    ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                       pos_dev, scale, part_o, part_ml, _null(), _null(), _null(), _null()))
-    kc = _k("attention_decode.cu", DK.attn_combine_name(head_dim))
-    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), o, oq, ods))
-
-
 # ----------------------------------------------------------------------------- KV cache
 
 class DeviceKVCache:
@@ -316,7 +228,7 @@ class DecodePlan:
                  unroll: int | None = None, fuse_combine: bool | None = None, fuse_norm: bool | None = None):
         cp = _cp()
         from engine.gpu.ops.mmq import Q8Act
-        from engine.reference.model import rope_tables
+        from engine.formats.rope import rope_tables
 
         self.w = weights
         cfg = self.cfg = weights.config

@@ -316,7 +316,7 @@ class GPUModel:
     # ------------------------------------------------------------------ the forward
 
     def _ensure_rope(self, n_pos: int) -> None:
-        from engine.reference.model import rope_tables
+        from engine.formats.rope import rope_tables
 
         have = 0 if self._rope_cos is None else int(self._rope_cos.shape[0])
         if have >= n_pos:

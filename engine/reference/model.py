@@ -25,6 +25,8 @@ from engine.formats import quants
 from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
 from engine.formats.gguf_file import TensorInfo
+from engine.formats.qtypes import qtype
+from engine.formats.rope import rope_tables
 from engine.formats.weights import LAYER_MATRICES, LAYER_NORMS, QKV_BIASES, ModelFile, layer_name, open_model
 
 _ROW_CHUNK = 2048  # rows dequantized at a time: bounds the temporaries
@@ -33,11 +35,7 @@ _ROW_CHUNK = 2048  # rows dequantized at a time: bounds the temporaries
 def dequantize_rows(t: TensorInfo, rows: np.ndarray | slice | None = None) -> np.ndarray:
     """float32 [rows, cols] of a 2-D tensor (all rows, or the selected ones)."""
     data = t.data if rows is None else t.data[rows]
-    if t.type_name == "F32":
-        return np.asarray(data, dtype=np.float32)
-    if t.type_name == "F16":
-        return np.asarray(data, dtype=np.float16).astype(np.float32)
-    fn = {"Q4_K": quants.dequantize_q4_k, "Q6_K": quants.dequantize_q6_k}[t.type_name]
+    fn = qtype(t.type_name).dequantize
     n = data.shape[0]
     out = np.empty((n, t.shape[-1]), dtype=np.float32)
     for r in range(0, n, _ROW_CHUNK):
@@ -48,14 +46,6 @@ def dequantize_rows(t: TensorInfo, rows: np.ndarray | slice | None = None) -> np
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
     return (x * (1.0 / np.sqrt(ms + np.float32(eps)))).astype(np.float32) * w
-
-
-def rope_tables(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [n, head_dim/2] for the given positions (angles computed in float64)."""
-    half = cfg.head_dim // 2
-    inv_freq = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
-    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: str) -> np.ndarray:

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from engine.errors import UsageError
-from engine.formats.gguf_file import GGML_TYPES
+from engine.formats.qtypes import QTYPES
 from engine.formats.weights import layer_name, open_model
 
 _SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "padding_token_id",
@@ -88,7 +88,7 @@ def slice_model(src: str, dst: str, layers: list[int], vocab: int, ffn: int | No
 
     def add(name: str, data: np.ndarray, ggml_type: int) -> None:
         data = np.ascontiguousarray(data)
-        if GGML_TYPES[ggml_type][0] in ("F32", "F16"):
+        if QTYPES[ggml_type].kind is None:
             writer.add_tensor(name, data)
         else:
             writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType(ggml_type))
@@ -111,7 +111,7 @@ def slice_model(src: str, dst: str, layers: list[int], vocab: int, ffn: int | No
             if ffn is not None and role in ("ffn_gate", "ffn_up"):
                 data = data[:ffn]
             elif ffn is not None and role == "ffn_down":
-                block_elems, block_bytes = GGML_TYPES[ggml_type][1:]
+                block_elems, block_bytes = QTYPES[ggml_type].block_elems, QTYPES[ggml_type].block_bytes
                 data = data[:, : ffn // block_elems * block_bytes]
             add(layer_name(new_i, role, kind), data, ggml_type)
     writer.write_header_to_file()
