@@ -88,8 +88,7 @@ def test_message_validation(messages, problem):
 # --------------------------------------------------------------------------- file templates
 
 def _goldens_dir() -> Path | None:
-    for c in (os.environ.get("GGUF_PREFILL_GOLDENS"), ROOT / "shared" / "goldens",
-              ROOT.parent / "shared" / "goldens"):
+    for c in (os.environ.get("GGUF_PREFILL_GOLDENS"), ROOT / "tests" / "goldens" / "llamacpp"):
         if c and (Path(c) / "qwen2.5-coder-1.5b-q4_k_m.json").exists():
             return Path(c)
     return None

@@ -14,7 +14,7 @@ from engine.reference.model import ReferenceModel
 from engine.tools.relabel import relabel_architecture
 from engine.text.tokenizer import load_tokenizer
 
-GOLDENS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "goldens")
+GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens", "llamacpp")
 QWEN = os.path.join(GOLDENS, "qwen2.5-coder-1.5b-q4_k_m.json")
 LLAMA = os.path.join(GOLDENS, "qwen-as-llama-1.5b-q4_k_m.json")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -124,6 +125,13 @@ def test_install_step_in_fresh_venv(commands, tmp_path, tiny_model_path):
             shutil.copy2(src, ctx / p)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    # --system-site-packages reaches the BASE interpreter's packages; when pytest itself runs in a
+    # venv, the runtime dependencies are in that venv's site-packages: list them in a .pth file
+    # (plain path lines: the outer venv's own .pth files, e.g. our editable install, stay inactive).
+    if sys.prefix != sys.base_prefix:
+        new_site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        Path(new_site, "_outer_venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     pip = subprocess.run([str(venv / "bin" / "pip"), "install", "--no-deps", "--disable-pip-version-check",
                           "-q", str(ctx)], capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stdout + pip.stderr

@@ -16,12 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def goldens_dir() -> Path:
-    cands = [os.environ.get("GGUF_PREFILL_GOLDENS"), ROOT / "shared" / "goldens",
-             ROOT.parent / "shared" / "goldens"]
+    cands = [os.environ.get("GGUF_PREFILL_GOLDENS"), ROOT / "tests" / "goldens" / "llamacpp"]
     for c in cands:
         if c and (Path(c) / "spm-vocab-32k.gguf").exists():
             return Path(c)
-    pytest.skip("goldens directory (shared/goldens) not found")
+    pytest.fail("goldens directory tests/goldens/llamacpp not found")
 
 
 def model_path() -> Path:
