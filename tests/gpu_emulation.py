@@ -146,14 +146,13 @@ def emu_mmq(weight, act, out=None, variant=None):
 
 @contextmanager
 def emulated_gpu():
-    """Patch cupy (numpy), engine.gpu.ops.prefill and engine.gpu.ops.mmq.mmq for the duration."""
-    from engine.gpu.ops import mmq as gpu_ops
-    from engine.gpu.ops import prefill as P
+    """Patch cupy (numpy), the prefill launchers (engine.gpu.ops.*) and engine.gpu.ops.mmq.mmq for the duration."""
+    from engine.gpu import ops
 
     saved_mod = sys.modules.get("cupy")
-    patches = {(P, "embed"): emu_embed, (P, "add_rmsnorm_q8_1"): emu_add_rmsnorm_q8_1,
-               (P, "qkv_rope"): emu_qkv_rope, (P, "attention_prefill"): emu_attention_prefill,
-               (P, "swiglu_q8_1"): emu_swiglu_q8_1, (gpu_ops, "mmq"): emu_mmq}
+    patches = {(ops.embed, "embed"): emu_embed, (ops.norm, "add_rmsnorm_q8_1"): emu_add_rmsnorm_q8_1,
+               (ops.rope, "qkv_rope"): emu_qkv_rope, (ops.attention, "attention_prefill"): emu_attention_prefill,
+               (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq}
     saved = {key: getattr(*key) for key in patches}
     sys.modules["cupy"] = _fake_cupy()
     try:

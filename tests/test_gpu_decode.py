@@ -263,7 +263,7 @@ ATT_LENGTHS = [1, 100, 300] if EMU else [1, 100, 3314]
 @pytest.mark.parametrize("L", ATT_LENGTHS)
 @pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
 def test_attention_decode(cp, rng, cfg, L, fused):
-    from engine.gpu.ops.attention_decode import attention_launch
+    from engine.gpu.ops.attention import attention_launch
 
     H, KVH, hd, dt, layout = cfg
     T = L + 5                                                    # cache capacity > length

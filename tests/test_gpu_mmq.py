@@ -106,12 +106,12 @@ def test_quantize_q8_1_identical(cp, rng, T, K):
 # ----------------------------------------------------------------------------- q6_K expansion
 
 def test_q6k_closed_form_expansion(cp, rng):
-    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.ops.checks import q6k_expand_check
 
     nblocks = 4096                                          # 1,048,576 elements
     raw = rand_rows(rng, "q6_k", nblocks, Q.QK_K)           # [nblocks, 210]
     padded = Q.repack_q6_k_padded(raw)
-    closed, elem = gpu_ops.q6k_expand_check(cp.asarray(padded))
+    closed, elem = q6k_expand_check(cp.asarray(padded))
     closed, elem = cp.asnumpy(closed), cp.asnumpy(elem)
     _, _, qref = Q.q6_k_fields(raw)
     mism = int((closed != elem).sum())

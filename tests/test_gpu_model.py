@@ -82,7 +82,7 @@ def _rand_blocks(rng, kind, rows, K):
 
 
 def _q8(cp, T, K):
-    from engine.gpu.ops.mmq import Q8Act
+    from engine.gpu.ops.q8 import Q8Act
 
     q = cp.full((T, K), 0x55, dtype=cp.int8)
     ds = cp.full((T, K // 32, 2), np.nan, dtype=cp.float32)
@@ -94,7 +94,7 @@ def _q8(cp, T, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,padded", [("q4_k", False), ("q6_k", False), ("q6_k", True)])
 def test_embed_rows_bit_exact(cp, rng, kind, padded):
-    from engine.gpu.ops import prefill as P
+    from engine.gpu import ops
     from engine.gpu.weights import upload_weight
 
     V, K, n = 37, 512, 11
@@ -102,7 +102,7 @@ def test_embed_rows_bit_exact(cp, rng, kind, padded):
     table = upload_weight(rows, kind.upper(), pad_q6k=padded)
     ids = rng.integers(0, V, n)
     x = cp.full((n, K), np.nan, dtype=cp.float32)
-    P.embed(table, cp.asarray(ids.astype(np.int32)), x)
+    ops.embed.embed(table, cp.asarray(ids.astype(np.int32)), x)
     ref = Q.dequantize_q4_k(rows[ids]) if kind == "q4_k" else Q.dequantize_q6_k(rows[ids])
     got = cp.asnumpy(x)
     mism = int(np.sum(got.view(np.uint32) != ref.view(np.uint32)))
@@ -113,7 +113,7 @@ def test_embed_rows_bit_exact(cp, rng, kind, padded):
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,with_y", [(512, True), (768, False), (1536, True), (4096, True)])
 def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
-    from engine.gpu.ops import prefill as P
+    from engine.gpu import ops
     from engine.reference.model import rms_norm
 
     R, eps = 6, 1e-5
@@ -123,7 +123,7 @@ def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
     xd, yd = cp.asarray(x), cp.asarray(y)
     act = _q8(cp, R, K)
     hout = cp.full((R, K), np.nan, dtype=cp.float32)
-    P.add_rmsnorm_q8_1(xd, yd if with_y else None, cp.asarray(w), eps, act, hout=hout)
+    ops.norm.add_rmsnorm_q8_1(xd, yd if with_y else None, cp.asarray(w), eps, act, hout=hout)
     xs = x + y if with_y else x
     assert np.array_equal(cp.asnumpy(xd), xs)
     h = cp.asnumpy(hout)
@@ -143,7 +143,7 @@ def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused,T,F", [(True, 5, 512), (False, 5, 512), (True, 3, 96)])
 def test_swiglu_q8_1(cp, rng, fused, T, F):
-    from engine.gpu.ops import prefill as P
+    from engine.gpu import ops
     from engine.reference.model import silu
 
     g = (rng.standard_normal((T, F)) * 4).astype(np.float32)
@@ -152,9 +152,9 @@ def test_swiglu_q8_1(cp, rng, fused, T, F):
     act = _q8(cp, T, F)
     if fused:
         gu = cp.asarray(np.concatenate([g, u], axis=1))
-        P.swiglu_q8_1(gu[:, :F], gu[:, F:], 2 * F, F, act)
+        ops.activation.swiglu_q8_1(gu[:, :F], gu[:, F:], 2 * F, F, act)
     else:
-        P.swiglu_q8_1(cp.asarray(g), cp.asarray(u), F, F, act)
+        ops.activation.swiglu_q8_1(cp.asarray(g), cp.asarray(u), F, F, act)
     h = silu(g) * u
     _, d, _ = Q.quantize_q8_1(h)
     gq, gds = cp.asnumpy(act.q), cp.asnumpy(act.ds)
@@ -174,7 +174,7 @@ def test_swiglu_q8_1(cp, rng, fused, T, F):
 def test_qkv_rope_bit_exact(cp, rng, rope_type, hd, bias):
     from dataclasses import replace
 
-    from engine.gpu.ops import prefill as P
+    from engine.gpu import ops
     from engine.formats.config import ModelConfig
     from engine.formats.rope import rope_tables
     from engine.reference.model import apply_rope
@@ -191,7 +191,7 @@ def test_qkv_rope_bit_exact(cp, rng, rope_type, hd, bias):
     kc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
     vc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
     ld = qd + 2 * kvd
-    P.qkv_rope(d[:, :qd], d[:, qd:qd + kvd], d[:, qd + kvd:], (ld, ld, ld),
+    ops.rope.qkv_rope(d[:, :qd], d[:, qd:qd + kvd], d[:, qd + kvd:], (ld, ld, ld),
                *[None if x is None else cp.asarray(x) for x in b], cp.asarray(cos), cp.asarray(sin),
                qout, kc, vc, start, rope_type == "neox", H, KVH, hd)
     q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
@@ -230,7 +230,7 @@ def _attention_inputs(rng, H, KVH, hd, n, start, maxT, big=False):
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True)])
 def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
-    from engine.gpu.ops import prefill as P
+    from engine.gpu import ops
     from tests.gpu_emulation import attention_numpy
 
     emulated = getattr(cp, "__emulated__", False)
@@ -243,12 +243,12 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
     ref = attention_numpy(q, kf, vf, start)
     qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     out = cp.full((n, H * hd), np.nan, dtype=cp.float32)
-    P.attention_prefill(qd, kd, vd, start, out_f32=out)
+    ops.attention.attention_prefill(qd, kd, vd, start, out_f32=out)
     o = cp.asnumpy(out)
     vmax = float(np.nanmax(np.abs(v[:, :start + n].astype(np.float32))))
     err = float(np.max(np.abs(o - ref))) if np.isfinite(o).all() else float("inf")
     act = _q8(cp, n, H * hd)
-    P.attention_prefill(qd, kd, vd, start, out_act=act)
+    ops.attention.attention_prefill(qd, kd, vd, start, out_act=act)
     gq, gds = cp.asnumpy(act.q), cp.asnumpy(act.ds)
     deq = Q.dequantize_q8_1(gq, gds[..., 0])
     step = np.repeat(gds[..., 0], 32, axis=1)

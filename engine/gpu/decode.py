@@ -43,7 +43,7 @@ from engine.gpu import decode_instances as DK
 from engine.gpu import kernels
 from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
-from engine.gpu.ops.attention_decode import attention_launch, attention_splits
+from engine.gpu.ops.attention import attention_launch, attention_splits
 from engine.gpu.ops.mmvq import DEFAULT_ROWS_PER_WARP, DEFAULT_UNROLL, NORM_MAX, mmvq_launch
 
 # Step variant, from the measured grid (docs/perf-log.md, decode run 2): 1 row per warp with
@@ -227,7 +227,7 @@ class DecodePlan:
                  n_split: int | None = None, hist_cap: int = 4096,
                  unroll: int | None = None, fuse_combine: bool | None = None, fuse_norm: bool | None = None):
         cp = _cp()
-        from engine.gpu.ops.mmq import Q8Act
+        from engine.gpu.ops.q8 import Q8Act
         from engine.formats.rope import rope_tables
 
         self.w = weights
@@ -615,7 +615,7 @@ def mmvq_microbench(weights: DecodeWeights, rows_per_warp: int = DEFAULT_ROWS_PE
     `iters` timed launches after a warm-up. The layer-0 (and, if different, the last layer's)
     matrices and the output matrix."""
     cp = _cp()
-    from engine.gpu.ops.mmq import Q8Act
+    from engine.gpu.ops.q8 import Q8Act
 
     cfg = weights.config
     out = []

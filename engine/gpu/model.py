@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.gpu.ops import prefill as P
+from engine.gpu import ops
 from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
 from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
@@ -180,12 +180,12 @@ class GPUModel:
         self.ubatch = int(ubatch)
         if self.ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
-        if cfg.head_dim not in P.ATT_HEAD_DIMS:
+        if cfg.head_dim not in ops.attention.ATT_HEAD_DIMS:
             raise GGUFError(f"{model.path}: head size {cfg.head_dim} is not supported on the GPU "
-                            f"(supported: {', '.join(map(str, P.ATT_HEAD_DIMS))})")
-        if cfg.d_model % 256 or cfg.d_model > P.RMSNORM_MAX_K or cfg.d_ff % 256:
+                            f"(supported: {', '.join(map(str, ops.attention.ATT_HEAD_DIMS))})")
+        if cfg.d_model % 256 or cfg.d_model > ops.norm.RMSNORM_MAX_K or cfg.d_ff % 256:
             raise GGUFError(f"{model.path}: d_model {cfg.d_model} / d_ff {cfg.d_ff} not supported on "
-                            f"the GPU (multiples of 256, d_model <= {P.RMSNORM_MAX_K})")
+                            f"the GPU (multiples of 256, d_model <= {ops.norm.RMSNORM_MAX_K})")
         names = ["token_embd.weight"] + [layer_name(i, r) for i in range(cfg.n_layers) for r in LAYER_MATRICES]
         if not cfg.tied_output:
             names.append("output.weight")
@@ -334,7 +334,7 @@ class GPUModel:
 
     def _ubatch(self, ids_dev, start: int, cache: GPUKVCache, all_rows: bool):
         cp = _cp()
-        from engine.gpu.ops.mmq import Q8Act
+        from engine.gpu.ops.q8 import Q8Act
 
         cfg = self.config
         T = int(ids_dev.shape[0])
@@ -356,26 +356,26 @@ class GPUModel:
         role_cols = {"attn_q": qd, "attn_k": kvd, "attn_v": kvd, "ffn_gate": ff, "ffn_up": ff}
 
         with self._span("embed"):
-            P.embed(self.embed_w, ids_dev, x)
+            ops.embed.embed(self.embed_w, ids_dev, x)
         for i, L in enumerate(self.layers):
             with self._span("rmsnorm_q8"):
-                P.add_rmsnorm_q8_1(x, y if i else None, L.attn_norm, eps, a_d)
+                ops.norm.add_rmsnorm_q8_1(x, y if i else None, L.attn_norm, eps, a_d)
             views = self._seg_views(L.qkv, a_d, role_cols)
             (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
             with self._span("rope_kv"):
-                P.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
+                ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
                            cache.k[i], cache.v[i], start, neox, H, KVH, hd)
             with self._span("attention"):
-                P.attention_prefill(qh, cache.k[i], cache.v[i], start, out_act=a_q)
+                ops.attention.attention_prefill(qh, cache.k[i], cache.v[i], start, out_act=a_q)
             self._gemm(L.wo, a_q, out=y)
             with self._span("rmsnorm_q8"):
-                P.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)
+                ops.norm.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)
             views = self._seg_views(L.gate_up, a_d, role_cols)
             (gv, ldg), (uv, ldu) = views["ffn_gate"], views["ffn_up"]
             if ldg != ldu:      # gate and up in separate buffers of one shape: ld == ff for both
                 raise AssertionError("gate/up row strides differ")
             with self._span("swiglu_q8"):
-                P.swiglu_q8_1(gv, uv, ldg, ff, a_f)
+                ops.activation.swiglu_q8_1(gv, uv, ldg, ff, a_f)
             self._gemm(L.down, a_f, out=y)
         if all_rows:
             xr, yr, R = x, y, T
@@ -383,7 +383,7 @@ class GPUModel:
             xr, yr, R = x[T - 1:T], y[T - 1:T], 1
         a_o = Q8Act(cp.empty((R, d), dtype=cp.int8), cp.empty((R, d // 32, 2), dtype=f32))
         with self._span("rmsnorm_q8"):
-            P.add_rmsnorm_q8_1(xr, yr, self.output_norm, eps, a_o)
+            ops.norm.add_rmsnorm_q8_1(xr, yr, self.output_norm, eps, a_o)
         with self._span("gemm_output_" + self.output_w.kind):
             from engine.gpu.ops.mmq import mmq
 

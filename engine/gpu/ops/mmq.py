@@ -1,11 +1,11 @@
-"""One Python function per GPU kernel: shapes, grid, kernel choice, launch.
+"""MMQ: the prefill GEMMs over q8_1 activations (mmq_q4_k.cu / mmq_q6_k.cu): tile variant
+choice, tail-split plan, grid, launch.
 
 Arrays are cupy arrays on the current device; every function launches on the current stream
 and returns without synchronizing.
 
-    act = quantize_q8_1(x)              # x float32 [T, K] -> Q8Act(q int8 [T, K], ds f32 [T, K/32, 2])
-    y = mmq(weight, act)                # DeviceWeight [N, K] -> y float32 [T, N] (token-major)
-    y = linear(weight, x)               # both
+    y = mmq(weight, act)                # DeviceWeight [N, K], Q8Act [T, K] -> y float32 [T, N]
+    y = linear(weight, x)               # x float32 [T, K]: q8.quantize_q8_1, then mmq
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.gpu import kernels
+from engine.gpu.ops._util import check_dev
+from engine.gpu.ops.q8 import Q8Act, quantize_q8_1
 from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
 # Tile variant per kernel family (engine.gpu.kernels.MMQ_CONFIGS), chosen from the measurements in
@@ -109,53 +111,6 @@ def _split_buffers(n_floats: int, n_slots: int):
     return ws, cnt
 
 
-class Q8Act(NamedTuple):
-    """q8_1 activations on the device: q int8 [T, K]; ds float32 [T, K/32, 2] = (d, s)."""
-    q: object
-    ds: object
-
-    @property
-    def tokens(self) -> int:
-        return int(self.q.shape[0])
-
-    @property
-    def cols(self) -> int:
-        return int(self.q.shape[1])
-
-
-def _check_dev(a, dtype, shape, what):
-    import cupy as cp
-
-    if not isinstance(a, cp.ndarray):
-        raise TypeError(f"{what}: expected a cupy array, got {type(a).__name__}")
-    if a.dtype != dtype or tuple(a.shape) != tuple(shape) or not a.flags.c_contiguous:
-        raise ValueError(f"{what}: expected contiguous {np.dtype(dtype).name}{list(shape)}, "
-                         f"got {a.dtype.name}{list(a.shape)} (contiguous={a.flags.c_contiguous})")
-
-
-def quantize_q8_1(x, out: Q8Act | None = None) -> Q8Act:
-    """f32 activations [T, K] (K % 32 == 0) -> q8_1 blocks, bit-identical to
-    engine.formats.quants.quantize_q8_1 (d = ds[..., 0], s = ds[..., 1])."""
-    import cupy as cp
-
-    if x.ndim != 2 or x.shape[1] % 32:
-        raise ValueError(f"quantize_q8_1: expected [T, K] with K % 32 == 0, got {x.shape}")
-    T, K = map(int, x.shape)
-    _check_dev(x, np.float32, (T, K), "quantize_q8_1 x")
-    if out is None:
-        out = Q8Act(cp.empty((T, K), dtype=cp.int8), cp.empty((T, K // 32, 2), dtype=cp.float32))
-    else:
-        _check_dev(out.q, np.int8, (T, K), "quantize_q8_1 out.q")
-        _check_dev(out.ds, np.float32, (T, K // 32, 2), "quantize_q8_1 out.ds")
-    nblk = T * K // 32
-    if nblk:
-        k = kernels.get_kernel("quantize_q8_1.cu", "quantize_q8_1")
-        threads = 256
-        grid = (nblk * 32 + threads - 1) // threads
-        k((grid,), (threads,), (x, out.q, out.ds, np.int64(nblk)))
-    return out
-
-
 def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
         split: tuple[int, int] | None = None):
     """y[T, N] = dequant(weight) . x^T over q8_1 activations, float32, token-major.
@@ -171,12 +126,12 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
         raise ValueError(f"mmq: activations have K={K}, weight {weight.rows}x{weight.cols}")
     if K % 256:
         raise ValueError(f"mmq: K={K} is not a multiple of 256")
-    _check_dev(act.q, np.int8, (T, K), "mmq act.q")
-    _check_dev(act.ds, np.float32, (T, K // 32, 2), "mmq act.ds")
+    check_dev(act.q, np.int8, (T, K), "mmq act.q")
+    check_dev(act.ds, np.float32, (T, K // 32, 2), "mmq act.ds")
     if out is None:
         out = cp.empty((T, N), dtype=cp.float32)
     else:
-        _check_dev(out, np.float32, (T, N), "mmq out")
+        check_dev(out, np.float32, (T, N), "mmq out")
     if T == 0 or N == 0:
         return out
     kind = weight.kind
@@ -205,18 +160,3 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
 def linear(weight: DeviceWeight, x, out=None, variant: str | None = None):
     """x float32 [T, K] -> y float32 [T, N] through q8_1 + MMQ."""
     return mmq(weight, quantize_q8_1(x), out=out, variant=variant)
-
-
-def q6k_expand_check(blocks_padded):
-    """Verification kernel: padded q6_K blocks uint8 [nblocks, 224] (device) ->
-    (closed-form expansion, per-element expansion), each int8 [nblocks, 256] centred values."""
-    import cupy as cp
-
-    nb = int(blocks_padded.shape[0])
-    _check_dev(blocks_padded, np.uint8, (nb, 224), "q6k_expand_check blocks")
-    closed = cp.full((nb, 256), 127, dtype=cp.int8)     # poison: never a centred q6 value
-    elem = cp.full((nb, 256), 127, dtype=cp.int8)
-    k = kernels.get_kernel("q6k_expand_check.cu", "q6k_expand_check")
-    units = nb * 4
-    k(((units + 255) // 256,), (256,), (blocks_padded, closed, elem, np.int32(nb)))
-    return closed, elem

@@ -1,0 +1,24 @@
+"""SwiGLU + q8_1 of the prefill FFN (swiglu.cu): act = q8_1(silu(g) * u)."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.gpu import kernels
+from engine.gpu.ops._util import contig
+
+
+def swiglu_q8_1(g, u, ld: int, F: int, act) -> None:
+    """act = q8_1(silu(g) * u): g, u float32 views of T rows with row stride ld (elements),
+    F columns each (F % 32 == 0); act Q8Act [T, F]."""
+    T = int(act.q.shape[0])
+    if F % 32:
+        raise ValueError(f"swiglu_q8_1: F={F} is not a multiple of 32")
+    contig(act.q, np.int8, (T, F), "swiglu act.q")
+    contig(act.ds, np.float32, (T, F // 32, 2), "swiglu act.ds")
+    if ld % 4:
+        raise ValueError(f"swiglu_q8_1: row stride {ld} is not a multiple of 4 (float4 loads)")
+    n4 = T * F // 4
+    if n4 == 0:
+        return
+    k = kernels.get_kernel("swiglu.cu", "swiglu_q8_1")
+    k(((n4 + 255) // 256,), (256,), (g, u, np.int64(ld), np.int32(F), act.q, act.ds, np.int64(n4)))
