@@ -146,7 +146,8 @@ def test_no_template_is_a_gguf_error():
 
 
 def test_broken_file_template_is_a_gguf_error():
-    from engine.text.tokenizer import Tokenizer, _BYTE_ENCODER
+    from engine.text.bpe import BYTE_ENCODER as _BYTE_ENCODER
+    from engine.text.tokenizer import Tokenizer
 
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
           "tokenizer.ggml.tokens": [_BYTE_ENCODER[b] for b in range(256)],

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import GGUFError
-from engine.text.tokenizer import _BYTE_ENCODER, Tokenizer, load_tokenizer
+from engine.text.bpe import BYTE_ENCODER as _BYTE_ENCODER
+from engine.text.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 ROOT = Path(__file__).resolve().parent.parent
@@ -319,26 +320,26 @@ def test_default_and_gpt2_pre():
 
 
 def test_unknown_pre_is_an_error():
-    with pytest.raises(GGUFError, match=r"crafted\.gguf: tokenizer\.ggml\.pre: .*'nonesuch'"):
+    with pytest.raises(GGUFError, match=r"crafted\.gguf: metadata field 'tokenizer\.ggml\.pre' .*'nonesuch'"):
         Tokenizer.from_metadata(_bpe_md("nonesuch"), "crafted.gguf")
 
 
 def test_metadata_errors():
-    with pytest.raises(GGUFError, match="f.gguf: tokenizer.ggml.model"):
+    with pytest.raises(GGUFError, match="f.gguf: missing metadata field 'tokenizer.ggml.model'"):
         Tokenizer.from_metadata({"tokenizer.ggml.tokens": ["a"]}, "f.gguf")
-    with pytest.raises(GGUFError, match="tokenizer.ggml.model: unsupported tokenizer model 'bert'"):
+    with pytest.raises(GGUFError, match="metadata field 'tokenizer.ggml.model' = 'bert' is not a supported tokenizer model"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "f")
-    with pytest.raises(GGUFError, match="f.gguf: tokenizer.ggml.tokens: missing"):
+    with pytest.raises(GGUFError, match="f.gguf: missing metadata field 'tokenizer.ggml.tokens'"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "llama"}, "f.gguf")
-    with pytest.raises(GGUFError, match="tokenizer.ggml.merges: missing"):
+    with pytest.raises(GGUFError, match="missing metadata field 'tokenizer.ggml.merges'"):
         md = _bpe_md("qwen2")
         del md["tokenizer.ggml.merges"]
         Tokenizer.from_metadata(md, "f")
-    with pytest.raises(GGUFError, match="tokenizer.ggml.tokens: duplicate token"):
+    with pytest.raises(GGUFError, match="metadata field 'tokenizer.ggml.tokens' has duplicate token"):
         Tokenizer.from_metadata(_bpe_md("qwen2", ["a"]), "f")
-    with pytest.raises(GGUFError, match="tokenizer.ggml.eos_token_id: token id 99999"):
+    with pytest.raises(GGUFError, match="metadata field 'tokenizer.ggml.eos_token_id' = token id 99999"):
         Tokenizer.from_metadata(_bpe_md("qwen2", **{"tokenizer.ggml.eos_token_id": 99999}), "f")
-    with pytest.raises(GGUFError, match="tokenizer.ggml.scores: has 3 entries"):
+    with pytest.raises(GGUFError, match="metadata field 'tokenizer.ggml.scores' has 3 entries"):
         md = _spm_md({})
         md["tokenizer.ggml.scores"] = [0.0] * 3
         Tokenizer.from_metadata(md, "f")

@@ -153,18 +153,7 @@ def tensor_nbytes(t: PlannedTensor) -> int:
 
 # ----------------------------------------------------------------------------- vocabulary
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+from engine.text.bpe import bytes_to_unicode  # noqa: E402  (GPT-2's byte table: one definition)
 
 
 _CORPUS = """\
