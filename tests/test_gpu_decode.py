@@ -404,7 +404,7 @@ def test_embed_row(cp, rng, ttype):
 
 def test_rmsnorm_q8(cp, rng):
     from engine.gpu import kernels
-    from engine.reference.model import rms_norm
+    from engine.reference.ops import rms_norm
 
     k = kernels.get_kernel("decode_fused.cu", "rmsnorm_q8")
     for K in (256, 1536, 4096):
@@ -446,7 +446,7 @@ def test_qkv_post(cp, rng, rope):
     from engine.gpu import kernels
     from engine.formats.config import ModelConfig
     from engine.formats.rope import rope_tables
-    from engine.reference.model import apply_rope
+    from engine.reference.ops import apply_rope
 
     H, KVH, hd, T = 4, 2, 64, 40
     cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 512, 100, 2048, 1e4, rope, 1e-5, True, False)

@@ -114,7 +114,7 @@ def test_embed_rows_bit_exact(cp, rng, kind, padded):
 @pytest.mark.parametrize("K,with_y", [(512, True), (768, False), (1536, True), (4096, True)])
 def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
     from engine.gpu import ops
-    from engine.reference.model import rms_norm
+    from engine.reference.ops import rms_norm
 
     R, eps = 6, 1e-5
     x = (rng.standard_normal((R, K)) * rng.uniform(0.1, 30, (R, 1))).astype(np.float32)
@@ -144,7 +144,7 @@ def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
 @pytest.mark.parametrize("fused,T,F", [(True, 5, 512), (False, 5, 512), (True, 3, 96)])
 def test_swiglu_q8_1(cp, rng, fused, T, F):
     from engine.gpu import ops
-    from engine.reference.model import silu
+    from engine.reference.ops import silu
 
     g = (rng.standard_normal((T, F)) * 4).astype(np.float32)
     u = (rng.standard_normal((T, F)) * 2).astype(np.float32)
@@ -177,7 +177,7 @@ def test_qkv_rope_bit_exact(cp, rng, rope_type, hd, bias):
     from engine.gpu import ops
     from engine.formats.config import ModelConfig
     from engine.formats.rope import rope_tables
-    from engine.reference.model import apply_rope
+    from engine.reference.ops import apply_rope
 
     H, KVH, n, start, maxT = 4, 2, 5, 3, 16
     cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 256, 10, 64, 1e4 if rope_type == "normal" else 1e6,
@@ -231,7 +231,7 @@ def _attention_inputs(rng, H, KVH, hd, n, start, maxT, big=False):
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True)])
 def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
     from engine.gpu import ops
-    from tests.gpu_emulation import attention_numpy
+    from engine.reference.numerics import attention_f16 as attention_numpy
 
     emulated = getattr(cp, "__emulated__", False)
     maxT = start + n + 9

@@ -7,7 +7,8 @@ import pytest
 from engine.formats.config import ModelConfig
 from engine.generate import generate, top_two
 from engine.formats.rope import rope_tables
-from engine.reference.model import ReferenceModel, apply_rope, causal_attention, rms_norm
+from engine.reference.model import ReferenceModel
+from engine.reference.ops import apply_rope, causal_attention, rms_norm
 
 
 def cfg(rope_type="normal", hd=8):
