@@ -7,7 +7,16 @@ Validation happens in two passes, both before any tensor data is touched:
    neither make us allocate memory sized by an unchecked field nor loop for billions of steps.
 2. `gguf.GGUFReader` (memory-mapped) then parses the same file; anything it raises is wrapped.
 
-Every problem raises `GGUFError` whose message names the file and the field or tensor.
+Every problem raises `GGUFError` whose message names the file and the field or tensor; every
+file-supplied name or value in a message goes through `engine.errors.printable`.
+
+Public API:
+    open_gguf(path) -> GGUFFile            validated container, tensors mapped
+    read_metadata(path) -> dict            validated metadata only (vocabulary-only files work)
+    read_header(path) -> GGUFHeader        the validated header with the byte span of every
+                                           metadata entry and tensor info (tools that rewrite a
+                                           file's header: relabel, the fuzzer)
+    encode_string(s), encode_field(key, vtype, value)   GGUF serialisation of one entry
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import GGUFError
+from engine.errors import GGUFError, printable
 from engine.formats.qtypes import KNOWN_UNSUPPORTED, QTYPES
 
 GGUF_MAGIC = b"GGUF"
@@ -64,8 +73,59 @@ class GGUFFile:
 
     def require(self, key: str) -> Any:
         if key not in self.metadata:
-            raise GGUFError(f"{self.path}: missing metadata field '{key}'")
+            raise GGUFError(f"{self.path}: missing metadata field '{printable(key)}'")
         return self.metadata[key]
+
+
+@dataclass(frozen=True)
+class FieldEntry:
+    """One metadata entry of the header: file bytes [start, end) hold the key string, the
+    value type and the value; [value_start, end) is the type and the value."""
+
+    key: str
+    vtype: int
+    value: Any
+    start: int
+    value_start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor-info record: name, ggml dims (ne order), type id, data-relative offset and
+    its byte span [start, end) in the file."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """The validated header of a GGUF file (nothing mapped)."""
+
+    path: str
+    version: int
+    fields: list[FieldEntry]
+    tensors: list[TensorEntry]
+    alignment: int
+    data_start: int        # first byte of the (aligned) tensor data section
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {f.key: f.value for f in self.fields}
+
+    @property
+    def kv_end(self) -> int:
+        """End of the metadata section = start of the tensor-info table."""
+        return self.fields[-1].end if self.fields else 24
+
+    @property
+    def info_end(self) -> int:
+        return self.tensors[-1].end if self.tensors else self.kv_end
 
 
 class _Cursor:
@@ -109,7 +169,8 @@ _NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "
 
 def _read_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> Any:
     """Read one metadata value with bounds checks: scalars as Python values, strings as str,
-    string arrays as lists, numeric arrays as numpy arrays."""
+    string arrays as lists, numeric arrays as numpy arrays. `what` is the key, already made
+    printable by the caller."""
     if vtype not in _VALUE_TYPES:
         raise GGUFError(f"{cur.path}: metadata field '{what}' has unknown value type {vtype}")
     name, size = _VALUE_TYPES[vtype]
@@ -154,16 +215,13 @@ def _read_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> Any:
     return [_read_value(cur, etype, what, depth + 1) for _ in range(count)]
 
 
-def _scan_container(buf, path: str):
-    """Validate the container structure and read the metadata.
-
-    Returns (version, metadata dict, tensor infos [(name, ggml dims, type id, offset)], data start).
-    """
+def _scan_container(buf, path: str) -> GGUFHeader:
+    """Validate the container structure and read the metadata and the tensor-info table."""
     cur = _Cursor(buf, path)
     cur.need(4, "magic")
     magic = bytes(buf[0:4])
     if magic != GGUF_MAGIC:
-        raise GGUFError(f"{path}: bad magic {magic!r}: not a GGUF file")
+        raise GGUFError(f"{path}: bad magic {printable(magic)}: not a GGUF file")
     cur.pos = 4
     version = cur.unpack("I", "version")
     if version not in SUPPORTED_VERSIONS:
@@ -178,64 +236,75 @@ def _scan_container(buf, path: str):
             f"{path}: field tensor_count = {n_tensors} is impossible for a file of {cur.size} bytes")
 
     alignment = DEFAULT_ALIGNMENT
-    metadata: dict[str, Any] = {}
+    fields: list[FieldEntry] = []
+    seen_keys: set[str] = set()
     for i in range(n_kv):
+        start = cur.pos
         key_bytes = cur.string(f"metadata key #{i}")
         try:
             key = key_bytes.decode("utf-8")
         except UnicodeDecodeError:
-            raise GGUFError(f"{path}: metadata key #{i} is not valid UTF-8") from None
-        vtype = cur.unpack("I", f"metadata field '{key}' type")
-        value = _read_value(cur, vtype, key)
-        metadata[key] = value
+            raise GGUFError(f"{path}: metadata key #{i} ({printable(key_bytes)}) is not valid UTF-8") from None
+        shown = printable(key)
+        if key in seen_keys:
+            raise GGUFError(f"{path}: metadata field '{shown}' appears twice")
+        seen_keys.add(key)
+        value_start = cur.pos
+        vtype = cur.unpack("I", f"metadata field '{shown}' type")
+        value = _read_value(cur, vtype, shown)
+        fields.append(FieldEntry(key, vtype, value, start, value_start, cur.pos))
         if key == "general.alignment":
             if vtype != 4 or not value or value & (value - 1) or value > 1 << 16:
-                raise GGUFError(f"{path}: metadata field 'general.alignment' = {value} is not a power of two")
+                raise GGUFError(f"{path}: metadata field 'general.alignment' = "
+                                f"{printable(value)} is not a power of two (uint32)")
             alignment = value
 
-    tensors = []
+    infos = []
     seen = set()
     for i in range(n_tensors):
+        start = cur.pos
         raw_name = cur.string(f"tensor #{i} name")
         name = raw_name.decode("utf-8", errors="replace")
+        shown = printable(name)
         if name in seen:
-            raise GGUFError(f"{path}: tensor '{name}' appears twice")
+            raise GGUFError(f"{path}: tensor '{shown}' appears twice")
         seen.add(name)
-        n_dims = cur.unpack("I", f"tensor '{name}' n_dims")
+        n_dims = cur.unpack("I", f"tensor '{shown}' n_dims")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise GGUFError(f"{path}: tensor '{name}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
-        dims = [cur.unpack("Q", f"tensor '{name}' dims") for _ in range(n_dims)]
-        ttype = cur.unpack("I", f"tensor '{name}' type")
-        offset = cur.unpack("Q", f"tensor '{name}' offset")
-        tensors.append((name, dims, ttype, offset))
+            raise GGUFError(f"{path}: tensor '{shown}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+        dims = tuple(cur.unpack("Q", f"tensor '{shown}' dims") for _ in range(n_dims))
+        ttype = cur.unpack("I", f"tensor '{shown}' type")
+        offset = cur.unpack("Q", f"tensor '{shown}' offset")
+        infos.append(TensorEntry(name, dims, ttype, offset, start, cur.pos))
 
     data_start = (cur.pos + alignment - 1) // alignment * alignment
     data_size = cur.size - data_start
-    for name, dims, ttype, offset in tensors:
+    for t in infos:
+        shown, dims, ttype, offset = printable(t.name), t.dims, t.ggml_type, t.offset
         if ttype not in QTYPES:
             known = KNOWN_UNSUPPORTED.get(ttype)
             what = f"type {known} (id {ttype}) is not supported" if known else f"unknown type id {ttype}"
-            raise GGUFError(f"{path}: tensor '{name}': {what}; supported: F32, F16, Q4_K, Q6_K")
+            raise GGUFError(f"{path}: tensor '{shown}': {what}; supported: F32, F16, Q4_K, Q6_K")
         qt = QTYPES[ttype]
         tname, block, block_bytes = qt.name, qt.block_elems, qt.block_bytes
         n_elem = 1
         for d in dims:
             if d == 0 or d > MAX_ELEMENTS:
-                raise GGUFError(f"{path}: tensor '{name}' has dimension {d}")
+                raise GGUFError(f"{path}: tensor '{shown}' has dimension {d}")
             n_elem *= d
             if n_elem > MAX_ELEMENTS:
-                raise GGUFError(f"{path}: tensor '{name}' has {n_elem}+ elements, over the limit")
+                raise GGUFError(f"{path}: tensor '{shown}' has {n_elem}+ elements, over the limit")
         if dims[0] % block:
             raise GGUFError(
-                f"{path}: tensor '{name}' ({tname}) row length {dims[0]} is not a multiple of {block}")
+                f"{path}: tensor '{shown}' ({tname}) row length {dims[0]} is not a multiple of {block}")
         n_bytes = n_elem // block * block_bytes
         if offset % alignment:
-            raise GGUFError(f"{path}: tensor '{name}' offset {offset} is not aligned to {alignment}")
+            raise GGUFError(f"{path}: tensor '{shown}' offset {offset} is not aligned to {alignment}")
         if offset + n_bytes > data_size:
             raise GGUFError(
-                f"{path}: tensor '{name}' data ({n_bytes} bytes at offset {offset}) runs past the "
+                f"{path}: tensor '{shown}' data ({n_bytes} bytes at offset {offset}) runs past the "
                 f"end of the file (data section holds {max(data_size, 0)} bytes)")
-    return version, metadata, tensors, data_start
+    return GGUFHeader(path, version, fields, infos, alignment, data_start)
 
 
 def _open_mapped(path: str):
@@ -251,7 +320,7 @@ def _open_mapped(path: str):
         raise GGUFError(f"{path}: cannot open: {e.strerror or e}") from None
 
 
-def _scan_file(path: str):
+def _scan_file(path: str) -> GGUFHeader:
     buf = _open_mapped(path)
     try:
         return _scan_container(buf, path)
@@ -259,32 +328,77 @@ def _scan_file(path: str):
         buf.close()
 
 
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """The validated header: metadata entries and tensor infos with their byte spans."""
+    return _scan_file(os.fspath(path))
+
+
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Validated metadata only, without mapping tensors (vocabulary-only files work)."""
-    return _scan_file(os.fspath(path))[1]
+    return _scan_file(os.fspath(path)).metadata
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Validate the whole container, then map the tensors through gguf.GGUFReader."""
     path = os.fspath(path)
-    version, metadata, scanned, _ = _scan_file(path)
+    header = _scan_file(path)
     try:
         from gguf import GGUFReader
 
         reader = GGUFReader(path, "r")
     except Exception as e:  # the reader's own checks: wrap, naming the file
-        raise GGUFError(f"{path}: GGUF reader failed: {type(e).__name__}: {e}") from None
+        raise GGUFError(f"{path}: GGUF reader failed: {type(e).__name__}: {printable(str(e))}") from None
 
     tensors: dict[str, TensorInfo] = {}
-    expected = {name: (dims, ttype) for name, dims, ttype, _ in scanned}
+    expected = {t.name: (t.dims, t.ggml_type) for t in header.tensors}
     for t in reader.tensors:
+        if t.name not in expected or t.name in tensors:
+            raise GGUFError(f"{path}: tensor '{printable(t.name)}' is read differently by the GGUF reader")
         dims, ttype = expected[t.name]
         qt = QTYPES[ttype]
         tname, block, block_bytes = qt.name, qt.block_elems, qt.block_bytes
         shape = tuple(int(d) for d in reversed(dims))
         n_bytes = int(np.prod(dims)) // block * block_bytes
         if int(t.n_bytes) != n_bytes or t.data.nbytes != n_bytes:
-            raise GGUFError(f"{path}: tensor '{t.name}' byte size {t.n_bytes} disagrees with its "
+            raise GGUFError(f"{path}: tensor '{printable(t.name)}' byte size {t.n_bytes} disagrees with its "
                             f"shape {list(shape)} and type {tname} ({n_bytes} bytes)")
         tensors[t.name] = TensorInfo(t.name, ttype, tname, shape, n_bytes, t.data)
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
+    if len(tensors) != len(expected):
+        raise GGUFError(f"{path}: the GGUF reader found {len(tensors)} tensors, the header lists {len(expected)}")
+    return GGUFFile(path=path, version=header.version, metadata=header.metadata, tensors=tensors)
+
+
+# ----------------------------------------------------------------------------- writing
+
+VALUE_TYPE_IDS = {name: vid for vid, (name, _) in _VALUE_TYPES.items()}
+_STRUCT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def encode_string(s: str | bytes) -> bytes:
+    """A GGUF string: uint64 length + the bytes (str encoded as UTF-8)."""
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return struct.pack("<Q", len(b)) + b
+
+
+def encode_value(vtype: int, value: Any, etype: int | None = None) -> bytes:
+    """The bytes of one metadata value of type `vtype` (without the type id). Arrays take the
+    element type `etype` (default: strings for lists of str, else the numpy dtype's type)."""
+    if vtype == 8:
+        return encode_string(value)
+    if vtype == 9:
+        items = list(value.tolist() if isinstance(value, np.ndarray) else value)
+        if etype is None:
+            if isinstance(value, np.ndarray):
+                etype = {v: k for k, v in _NUMPY_TYPES.items() if k != 7}.get(value.dtype.str, 11)
+                if value.dtype == bool:
+                    etype = 7
+            else:
+                etype = 8 if all(isinstance(x, str) for x in items) else 11
+        out = struct.pack("<IQ", etype, len(items))
+        return out + b"".join(encode_value(etype, x) for x in items)
+    return struct.pack("<" + _STRUCT[vtype], value)
+
+
+def encode_field(key: str | bytes, vtype: int, value: Any, etype: int | None = None) -> bytes:
+    """One metadata entry: key string, uint32 value type, value."""
+    return encode_string(key) + struct.pack("<I", vtype) + encode_value(vtype, value, etype)

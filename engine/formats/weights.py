@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass
 
 from engine.formats.config import ModelConfig
-from engine.errors import GGUFError
+from engine.errors import GGUFError, printable
 from engine.formats.gguf_file import GGUFFile, TensorInfo, open_gguf
+from engine.formats.metadata import Metadata
 
 MATRIX_TYPES = ("Q4_K", "Q6_K", "F16", "F32")
 VECTOR_TYPES = ("F32",)
@@ -84,11 +85,12 @@ def open_model(path: str | os.PathLike) -> ModelFile:
     if len(embd.shape) != 2:
         raise GGUFError(f"{gf.path}: tensor 'token_embd.weight' has shape {list(embd.shape)}, want 2-D")
     vocab = embd.shape[0]
-    tokens = gf.metadata.get("tokenizer.ggml.tokens")
+    md = Metadata(gf.metadata, gf.path)
+    tokens = md.array("tokenizer.ggml.tokens", default=None)
     if tokens is not None and len(tokens) != vocab:
         raise GGUFError(f"{gf.path}: field 'tokenizer.ggml.tokens' has {len(tokens)} entries but "
                         f"tensor 'token_embd.weight' has {vocab} rows")
-    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), vocab, gf.path)
+    cfg = ModelConfig.from_metadata(md, set(gf.tensors), vocab, gf.path)
     spec = expected_tensors(cfg)
     for name, s in spec.items():
         t = gf.tensors.get(name)
@@ -104,6 +106,6 @@ def open_model(path: str | os.PathLike) -> ModelFile:
                             f"expected {list(s.shape)} from the metadata")
     for name in gf.tensors:
         if name not in spec:
-            raise GGUFError(f"{gf.path}: unexpected tensor '{name}' for architecture {cfg.arch} "
+            raise GGUFError(f"{gf.path}: unexpected tensor '{printable(name)}' for architecture {cfg.arch} "
                             f"with {cfg.n_layers} layers")
     return ModelFile(gf, cfg)

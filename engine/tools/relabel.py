@@ -8,53 +8,44 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 
-from engine.formats.gguf_file import _Cursor, _open_mapped, _read_value, _scan_container
-
-
-def _string(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
+from engine.errors import GGUFError, UsageError, printable
+from engine.formats.gguf_file import encode_field, encode_string, read_header
+from engine.formats.metadata import Metadata
 
 
 def relabel_architecture(src: str | os.PathLike, dst: str | os.PathLike, new_arch: str = "llama") -> None:
     src, dst = os.fspath(src), os.fspath(dst)
-    buf = _open_mapped(src)
+    if not new_arch or not new_arch.isprintable() or "." in new_arch:
+        raise UsageError(f"--arch: {printable(new_arch)} is not an architecture name")
+    header = read_header(src)
+    old_arch = Metadata(header.metadata, src).string("general.architecture")
+    with open(src, "rb") as f:
+        raw = f.read(header.data_start)
+    out = bytearray(raw[0:24])
+    keys: set[str] = set()
+    for e in header.fields:
+        key, value = e.key, raw[e.value_start:e.end]
+        if key == "general.architecture":
+            out += encode_field(key, 8, new_arch)
+            keys.add(key)
+            continue
+        if key.startswith(old_arch + "."):
+            key = new_arch + key[len(old_arch):]
+        if key in keys:
+            raise UsageError(f"{src}: relabelled key '{printable(key)}' would appear twice")
+        keys.add(key)
+        out += encode_string(key) + value
+    # The tensor-info table follows the metadata unchanged (offsets are data-relative).
+    out += raw[header.kv_end:header.info_end]
+    out += b"\0" * ((-len(out)) % header.alignment)
+    tmp = dst + ".tmp"
     try:
-        version, metadata, _, data_start = _scan_container(buf, src)
-        old_arch = metadata["general.architecture"]
-        alignment = metadata.get("general.alignment", 32)
-        cur = _Cursor(buf, src)
-        cur.pos = 8
-        n_tensors, n_kv = cur.unpack("Q", "tensor_count"), cur.unpack("Q", "kv_count")
-        out = bytearray(buf[0:24])
-        for _ in range(n_kv):
-            key = cur.string("key").decode("utf-8")
-            vstart = cur.pos
-            vtype = cur.unpack("I", "type")
-            _read_value(cur, vtype, key)
-            value = bytes(buf[vstart:cur.pos])
-            if key == "general.architecture":
-                value = struct.pack("<I", 8) + _string(new_arch)
-            elif key.startswith(old_arch + "."):
-                key = new_arch + key[len(old_arch):]
-            out += _string(key) + value
-        # The tensor-info table follows the metadata unchanged (offsets are data-relative).
-        info_start = cur.pos
-        info_end = info_start
-        for _ in range(n_tensors):
-            cur.skip_string("tensor name")
-            n_dims = cur.unpack("I", "n_dims")
-            cur.pos += 8 * n_dims + 4 + 8
-            info_end = cur.pos
-        out += buf[info_start:info_end]
-        out += b"\0" * ((-len(out)) % alignment)
-        with open(dst + ".tmp", "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(out)
             with open(src, "rb") as s:
-                s.seek(data_start)
+                s.seek(header.data_start)
                 shutil.copyfileobj(s, f, 16 << 20)
-        os.replace(dst + ".tmp", dst)
-    finally:
-        buf.close()
+        os.replace(tmp, dst)
+    except OSError as e:
+        raise GGUFError(f"{dst}: cannot write: {e.strerror or e}") from None
