@@ -19,8 +19,6 @@
 // attn_split: block = 128 threads; a key row is HD / VEC lanes (VEC = elements per 16-byte
 // load: 8 for f16, 4 for f32), so a pass covers 128 / (HD / VEC) keys; K and V of a tile are
 // loaded together (one memory round trip per tile), q of the G heads sits in shared memory.
-// Fused variant (cnt != null, one launch): the last split block of each KV head to finish
-// (atomic counter per KV head, re-armed to 0 by that block) runs the combine for its G heads.
 // attn_combine: block = HD threads (one per output dim), grid = H; the q8_1 quantization is
 // decode_common.cuh q8_1_warp (one warp = one 32-element block, s = d * sum(q)).
 // Kernel names: attn_split_h{HD}_g{G}_{f16|f32}, attn_combine_h{HD}.
@@ -189,23 +187,22 @@ __device__ __forceinline__ void attn_split_tiles(
 }
 
 // One output element (head h, dim dd) of the combine, and its q8_1 block (the 32 lanes of the
-// calling warp hold 32 consecutive dims of one head). CG: read the partials through L2 (they
-// were written by other blocks of the same launch).
-template <int HD, bool CG>
+// calling warp hold 32 consecutive dims of one head).
+template <int HD>
 __device__ __forceinline__ void attn_combine_one(
     int h, int dd, const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
     float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
     const float2* ml = part_ml + (size_t)h * S;
     float M = ATT_NEG_INF;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, CG ? __ldcg(&ml[s].x) : ml[s].x);
+    for (int s = 0; s < S; ++s) M = fmaxf(M, ml[s].x);
     float den = 0.0f, o = 0.0f;
     for (int s = 0; s < S; ++s) {
-        const float2 v = CG ? __ldcg(&ml[s]) : ml[s];
+        const float2 v = ml[s];
         if (v.x == ATT_NEG_INF) continue;          // empty split (its o was never written)
         const float w = expf(v.x - M);
         den += w * v.y;
         const float* po = part_o + ((size_t)h * S + s) * HD + dd;
-        o += w * (CG ? __ldcg(po) : *po);
+        o += w * *po;
     }
     o = o / den;
     const int idx = h * HD + dd;
@@ -217,8 +214,7 @@ template <int HD, int G, typename KV>
 __device__ __forceinline__ void attn_split_body(
     const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
     long long tok_stride, long long head_stride, const int* __restrict__ pos_ptr, float scale,
-    float* __restrict__ part_o, float2* __restrict__ part_ml, unsigned* __restrict__ counters,
-    float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
+    float* __restrict__ part_o, float2* __restrict__ part_ml) {
     const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y;
     const int tid = threadIdx.x;
     const int L = __ldg(pos_ptr) + 1;
@@ -231,18 +227,6 @@ __device__ __forceinline__ void attn_split_body(
     } else if (tid < G) {
         part_ml[(size_t)(h0 + tid) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
     }
-    if (counters == nullptr) return;
-    // fused combine: the last of the S split blocks of this KV head merges its G heads
-    __shared__ unsigned last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = (atomicAdd(counters + kvh, 1u) == (unsigned)S - 1u);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int i = tid; i < G * HD; i += ATT_NT)      // whole warps: G * HD is a multiple of 32
-        attn_combine_one<HD, true>(h0 + i / HD, i % HD, part_o, part_ml, S, out, oq, ods);
-    if (tid == 0) counters[kvh] = 0u;               // re-armed for the next launch / replay
 }
 
 #define ATT_SPLIT_INSTANCE(HD, G, KVT, NAME)                                                   \
@@ -251,11 +235,9 @@ __device__ __forceinline__ void attn_split_body(
                                      const KVT* __restrict__ vc, long long tok_stride,         \
                                      long long head_stride, const int* __restrict__ pos_ptr,   \
                                      float scale, float* __restrict__ part_o,                  \
-                                     float2* __restrict__ part_ml, unsigned* __restrict__ cnt, \
-                                     float* __restrict__ out, i8* __restrict__ oq,             \
-                                     float2* __restrict__ ods) {                               \
+                                     float2* __restrict__ part_ml) {                           \
         attn_split_body<HD, G, KVT>(q, kc, vc, tok_stride, head_stride, pos_ptr, scale,        \
-                                    part_o, part_ml, cnt, out, oq, ods);                       \
+                                    part_o, part_ml);                                          \
     }
 
 #define ATT_SPLIT_G(G)                                                                         \
@@ -277,7 +259,7 @@ template <int HD>
 __device__ __forceinline__ void attn_combine_body(
     const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
     float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
-    attn_combine_one<HD, false>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods);
+    attn_combine_one<HD>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods);
 }
 
 #define ATT_COMBINE_INSTANCE(HD)                                                               \

@@ -3,8 +3,7 @@
 //
 // q8_1_warp: the q8_1 block of 32 values held one per lane of a warp (engine.quants.quantize_q8_1):
 //   d = amax / 127, q_i = amax == 0 ? 0 : roundf(x_i / d), s = d * sum(q) (integer sum, exact).
-// mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu), and for MODE 3 the
-//   addnorm tail: the last block of the launch writes q8_1(rmsnorm(y) * nw).
+// mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu).
 #pragma once
 
 #define MMVQ_NW 4
@@ -44,45 +43,10 @@ __device__ __forceinline__ void q8_1_warp(float x, i8* __restrict__ q, float2* _
 
 // ---------------------------------------------------------------- MMVQ epilogue
 
-#define MMVQ_NORM_MAX 8192     // MODE 3: largest vector the last block normalizes (shared memory)
-
-// MODE 3 tail, run by the last block of the launch to finish (after every row of y was
-// written): q8_1 of rmsnorm(y) * nw (decode_fused.cu rmsnorm_q8, the same formulas), so the
-// next GEMV's input is ready without a separate launch. y is read through L2 (ld.cg).
-__device__ __forceinline__ void mmvq_norm_tail(const float* __restrict__ y, int K,
-                                               const float* __restrict__ nw, float eps,
-                                               i8* __restrict__ oq, float2* __restrict__ ods) {
-    __shared__ float xs[MMVQ_NORM_MAX];
-    __shared__ float red[MMVQ_NW];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float ss = 0.0f;
-    for (int k = tid; k < K; k += MMVQ_NW * 32) {
-        const float v = __ldcg(y + k);
-        xs[k] = v;
-        ss += v * v;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float t = 0.0f;
-#pragma unroll
-    for (int w = 0; w < MMVQ_NW; ++w) t += red[w];
-    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(t, (float)K), eps)));
-    for (int blk = warp; blk < (K >> 5); blk += MMVQ_NW) {
-        const int k = blk * 32 + lane;
-        const float h = __fmul_rn(__fmul_rn(xs[k], r), nw[k]);
-        q8_1_warp(h, oq + k, ods + blk);
-    }
-}
-
-// Row sums -> outputs (lane i of the warp stores row row0 + i), then the MODE 3 tail.
+// Row sums -> outputs (lane i of the warp stores row row0 + i).
 template <int R, int MODE, int NR>
 __device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int row0, int N,
-                                              float* __restrict__ Y, const float* __restrict__ nw,
-                                              float eps, i8* __restrict__ oq,
-                                              float2* __restrict__ ods,
-                                              unsigned* __restrict__ counter) {
+                                              float* __restrict__ Y) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
@@ -102,17 +66,5 @@ __device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int
         if (MODE == 0) Y[n] = v;
         else if (MODE == 2) Y[n] = __fmul_rn(silu_ref(v), u);
         else Y[n] += v;
-    }
-    if constexpr (MODE == 3) {
-        __shared__ unsigned last;
-        __threadfence();                     // this block's rows are visible device-wide
-        __syncthreads();
-        if (threadIdx.x == 0) last = (atomicAdd(counter, 1u) == gridDim.x - 1);
-        __syncthreads();
-        if (last) {
-            __threadfence();
-            mmvq_norm_tail(Y, N, nw, eps, oq, ods);
-            if (threadIdx.x == 0) *counter = 0u;    // re-armed for the next launch / replay
-        }
     }
 }

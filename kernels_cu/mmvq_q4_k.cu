@@ -24,13 +24,8 @@
 //   MODE 1 add   : y_0[n] += dot                (residual add; one segment)
 //   MODE 2 swiglu: y_0[n] = silu(dot_gate) * dot_up with gate = w0, up = w1 (same rows);
 //                  silu(g) = g / (1 + exp(-g)) as in engine/reference.py.
-//   MODE 3 addnorm: MODE 1, then the last block to finish (atomic counter `cnt`, re-armed to 0
-//                  by that block) writes q8_1(rmsnorm(y_0) * nw) to (oq, ods): the next
-//                  layer's input without a separate rmsnorm launch (decode_common.cuh).
-// U: slots per batch (all their loads in flight before the first dot product); U = 0 is
-// run 1's loop (one slot per iteration, `#pragma unroll 2`).
-// Kernel names: mmvq_q4_k_r{R}u{U}_{store|add|swiglu|addnorm}; every instance takes the
-// MODE 3 arguments (ignored by the other modes).
+// R = 1 row per warp in production (the R loops stay: the rows-per-warp and load-batch arms
+// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -73,14 +68,12 @@ __device__ __forceinline__ float q4k_slot(const uint4& hdr, const uint4& qs, int
 
 // ---------------------------------------------------------------- q4_K body
 
-template <int R, int MODE, int U>
+template <int R, int MODE>
 __device__ __forceinline__ void mmvq_q4_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
-    const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
-    const float* __restrict__ nw, float eps, i8* __restrict__ oq, float2* __restrict__ ods,
-    unsigned* __restrict__ counter) {
+    const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
     constexpr int NR = (MODE == 2) ? 2 * R : R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int blk = blockIdx.x;
@@ -110,82 +103,36 @@ __device__ __forceinline__ void mmvq_q4_k_body(
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 
-    if constexpr (U == 0) {
-        // run 1's loop: one slot per iteration, the compiler unrolls by two
+    // one super-block slot per iteration, the compiler unrolls by two
 #pragma unroll 2
-        for (int sb = lane >> 3; sb < nb; sb += 4) {
-            const int g0 = sb * 8 + 2 * c;
-            const uint4 xa = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
-            const uint4 xb = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
-            const float2 da = __ldg(xds + g0), db = __ldg(xds + g0 + 1);
-            uint4 hdr[NR], qs[NR];
+    for (int sb = lane >> 3; sb < nb; sb += 4) {
+        const int g0 = sb * 8 + 2 * c;
+        const uint4 xa = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
+        const uint4 xb = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
+        const float2 da = __ldg(xds + g0), db = __ldg(xds + g0 + 1);
+        uint4 hdr[NR], qs[NR];
 #pragma unroll
-            for (int i = 0; i < NR; ++i) {
-                const u8* blkp = rows[i] + (size_t)sb * 144;
-                hdr[i] = ld_stream16(blkp);
-                qs[i] = ld_stream16(blkp + 16 + 16 * j);
-            }
-#pragma unroll
-            for (int i = 0; i < NR; ++i) acc[i] += q4k_slot(hdr[i], qs[i], c, h, xa, xb, da, db);
+        for (int i = 0; i < NR; ++i) {
+            const u8* blkp = rows[i] + (size_t)sb * 144;
+            hdr[i] = ld_stream16(blkp);
+            qs[i] = ld_stream16(blkp + 16 + 16 * j);
         }
+#pragma unroll
+        for (int i = 0; i < NR; ++i) acc[i] += q4k_slot(hdr[i], qs[i], c, h, xa, xb, da, db);
     }
-    // U > 0: U consecutive slots (super-blocks sb, sb + 4, ...) per batch, all their loads
-    // issued before the first dot product
-    for (int sb0 = lane >> 3; U > 0 && sb0 < nb; sb0 += 4 * (U > 0 ? U : 1)) {
-        constexpr int UU = U > 0 ? U : 1;
-        uint4 hdr[UU][NR], qs[UU][NR], xa[UU], xb[UU];
-        float2 da[UU], db[UU];
-#pragma unroll
-        for (int u = 0; u < UU; ++u) {
-            const int sb = min(sb0 + 4 * u, nb - 1);  // past the row end: reload the last
-            const int g0 = sb * 8 + 2 * c;
-            xa[u] = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
-            xb[u] = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
-            da[u] = __ldg(xds + g0);
-            db[u] = __ldg(xds + g0 + 1);
-#pragma unroll
-            for (int i = 0; i < NR; ++i) {
-                const u8* blkp = rows[i] + (size_t)sb * 144;
-                hdr[u][i] = ld_stream16(blkp);
-                qs[u][i] = ld_stream16(blkp + 16 + 16 * j);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UU; ++u) {
-            if (sb0 + 4 * u < nb) {
-#pragma unroll
-                for (int i = 0; i < NR; ++i)
-                    acc[i] += q4k_slot(hdr[u][i], qs[u][i], c, h, xa[u], xb[u], da[u], db[u]);
-            }
-        }
-    }
-    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y, nw, eps, oq, ods, counter);
+    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
 }
 
-#define MMVQ_Q4K_INSTANCE(R, U, MODE, NAME)                                                   \
+#define MMVQ_Q4K_INSTANCE(MODE, NAME)                                                         \
     extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                \
-    mmvq_q4_k_r##R##u##U##_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,       \
-                            const u8* __restrict__ w2, float* __restrict__ y0,                \
-                            float* __restrict__ y1, float* __restrict__ y2, int n0, int n1,   \
-                            int n2, int nb1, int nb2, const i8* __restrict__ xq,              \
-                            const float2* __restrict__ xds, int K,                            \
-                            const float* __restrict__ nw, float eps, i8* __restrict__ oq,     \
-                            float2* __restrict__ ods, unsigned* __restrict__ cnt) { \
-        mmvq_q4_k_body<R, MODE, U>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K,  \
-                                   nw, eps, oq, ods, cnt);                             \
+    mmvq_q4_k_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                    \
+                     const u8* __restrict__ w2, float* __restrict__ y0,                       \
+                     float* __restrict__ y1, float* __restrict__ y2, int n0, int n1,          \
+                     int n2, int nb1, int nb2, const i8* __restrict__ xq,                     \
+                     const float2* __restrict__ xds, int K) {                                 \
+        mmvq_q4_k_body<1, MODE>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K);    \
     }
 
-#define MMVQ_Q4K_MODES(R, U)                    \
-    MMVQ_Q4K_INSTANCE(R, U, 0, store)           \
-    MMVQ_Q4K_INSTANCE(R, U, 1, add)             \
-    MMVQ_Q4K_INSTANCE(R, U, 2, swiglu)          \
-    MMVQ_Q4K_INSTANCE(R, U, 3, addnorm)
-
-MMVQ_Q4K_MODES(1, 0)
-MMVQ_Q4K_MODES(2, 0)
-MMVQ_Q4K_MODES(4, 0)
-MMVQ_Q4K_MODES(1, 2)
-MMVQ_Q4K_MODES(2, 2)
-MMVQ_Q4K_MODES(4, 2)
-MMVQ_Q4K_MODES(1, 4)
-MMVQ_Q4K_MODES(2, 4)
+MMVQ_Q4K_INSTANCE(0, store)
+MMVQ_Q4K_INSTANCE(1, add)
+MMVQ_Q4K_INSTANCE(2, swiglu)

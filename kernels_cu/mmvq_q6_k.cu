@@ -17,9 +17,9 @@
 // that bypass L1. Raw rows: blocks are only 2-byte aligned, so the same registers are filled
 // with 16-bit loads (the parity arm). 16 dp4a per slot against four 16-byte q8 slices.
 //
-// Launch, modes and epilogue exactly as mmvq_q4_k.cu (block = 4 warps, R rows per warp, up to
-// 3 segments; MODE 0 store, 1 add, 2 swiglu, 3 addnorm; U blocks per load batch).
-// Kernel names: mmvq_q6_k_{pad|raw}_r{R}u{U}_{store|add|swiglu|addnorm}.
+// Launch, modes and epilogue exactly as mmvq_q4_k.cu (block = 4 warps, R = 1 row per warp, up
+// to 3 segments; MODE 0 store, 1 add, 2 swiglu).
+// Kernel names: mmvq_q6_k_{pad|raw}_{store|add|swiglu}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -78,14 +78,12 @@ __device__ __forceinline__ float q6k_slot(const Q6Slot& s, int hh, int l0, const
 
 // ---------------------------------------------------------------- q6_K body
 
-template <int R, int MODE, bool PADDED, int U>
+template <int R, int MODE, bool PADDED>
 __device__ __forceinline__ void mmvq_q6_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
-    const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
-    const float* __restrict__ nw, float eps, i8* __restrict__ oq, float2* __restrict__ ods,
-    unsigned* __restrict__ counter) {
+    const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
     constexpr int NR = (MODE == 2) ? 2 * R : R;
     constexpr int BS = PADDED ? 224 : 210;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -116,78 +114,39 @@ __device__ __forceinline__ void mmvq_q6_k_body(
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 
-    if constexpr (U == 0) {
-        // run 1's loop: one block per iteration, the compiler unrolls by two
+    // one block per iteration, the compiler unrolls by two
 #pragma unroll 2
-        for (int b = lane >> 2; b < nb; b += 8) {
-            uint4 x[4];
-            float d8[4];
+    for (int b = lane >> 2; b < nb; b += 8) {
+        uint4 x[4];
+        float d8[4];
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq) {
-                x[qq] = __ldg(reinterpret_cast<const uint4*>(xq + b * 256 + 128 * hh + 32 * qq + l0));
-                d8[qq] = __ldg(xds + b * 8 + 4 * hh + qq).x;
-            }
-            Q6Slot s[NR];
-#pragma unroll
-            for (int i = 0; i < NR; ++i) q6k_load<PADDED>(s[i], rows[i] + (size_t)b * BS, hh, l0);
-#pragma unroll
-            for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[i], hh, l0, x, d8);
+        for (int qq = 0; qq < 4; ++qq) {
+            x[qq] = __ldg(reinterpret_cast<const uint4*>(xq + b * 256 + 128 * hh + 32 * qq + l0));
+            d8[qq] = __ldg(xds + b * 8 + 4 * hh + qq).x;
         }
+        Q6Slot s[NR];
+#pragma unroll
+        for (int i = 0; i < NR; ++i) q6k_load<PADDED>(s[i], rows[i] + (size_t)b * BS, hh, l0);
+#pragma unroll
+        for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[i], hh, l0, x, d8);
     }
-    constexpr int UU = U > 0 ? U : 1;
-    for (int b0 = lane >> 2; U > 0 && b0 < nb; b0 += 8 * UU) {
-        uint4 x[UU][4];
-        float d8[UU][4];
-        Q6Slot s[UU][NR];
-#pragma unroll
-        for (int u = 0; u < UU; ++u) {
-            const int b = min(b0 + 8 * u, nb - 1);
-#pragma unroll
-            for (int qq = 0; qq < 4; ++qq) {
-                x[u][qq] = __ldg(reinterpret_cast<const uint4*>(xq + b * 256 + 128 * hh + 32 * qq + l0));
-                d8[u][qq] = __ldg(xds + b * 8 + 4 * hh + qq).x;
-            }
-#pragma unroll
-            for (int i = 0; i < NR; ++i) q6k_load<PADDED>(s[u][i], rows[i] + (size_t)b * BS, hh, l0);
-        }
-#pragma unroll
-        for (int u = 0; u < UU; ++u) {
-            if (b0 + 8 * u < nb) {
-#pragma unroll
-                for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[u][i], hh, l0, x[u], d8[u]);
-            }
-        }
-    }
-    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y, nw, eps, oq, ods, counter);
+    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
 }
 
-#define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, MODE, NAME)                                     \
+#define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, MODE, NAME)                                           \
     extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                  \
-    mmvq_q6_k_##LAYOUT##_r##R##u##U##_##NAME(                                                   \
+    mmvq_q6_k_##LAYOUT##_##NAME(                                                                \
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
         float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int n0, int n1, \
         int n2, int nb1, int nb2, const i8* __restrict__ xq, const float2* __restrict__ xds,    \
-        int K, const float* __restrict__ nw, float eps, i8* __restrict__ oq,                    \
-        float2* __restrict__ ods, unsigned* __restrict__ cnt) {                      \
-        mmvq_q6_k_body<R, MODE, PADDED, U>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq,    \
-                                           xds, K, nw, eps, oq, ods, cnt);               \
+        int K) {                                                                                \
+        mmvq_q6_k_body<1, MODE, PADDED>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K); \
     }
 
-#define MMVQ_Q6K_MODES(LAYOUT, PADDED, R, U)                 \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 0, store)        \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 1, add)          \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 2, swiglu)       \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, R, U, 3, addnorm)
-
-#define MMVQ_Q6K_LAYOUT(LAYOUT, PADDED)          \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 1, 0)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 2, 0)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 4, 0)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 1, 2)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 2, 2)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 4, 2)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 1, 4)         \
-    MMVQ_Q6K_MODES(LAYOUT, PADDED, 2, 4)
+#define MMVQ_Q6K_LAYOUT(LAYOUT, PADDED)                 \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 0, store)        \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, add)          \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, swiglu)
 
 MMVQ_Q6K_LAYOUT(pad, true)
 MMVQ_Q6K_LAYOUT(raw, false)

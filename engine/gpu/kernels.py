@@ -1,15 +1,15 @@
 """Load kernels_cu/*.cu, compile them with NVRTC through CuPy (per device, cached), and a
 CPU-only compile check with the same source assembly, options and template instances.
 
-Source assembly: each .cu file includes "common.cuh" (and the decode kernels
-"decode_common.cuh"); each `#include "X.cuh"` of a kernels_cu header is replaced by the header's
+Source assembly: each .cu file includes the kernels_cu headers it uses (numerics.cuh, the
+shared numerics, in every one); each `#include "X.cuh"` of a kernels_cu header is replaced by the header's
 text between `#line` directives, so compiler messages name the real file and line, no include
 path is needed, and CuPy's source-keyed kernel cache sees header edits.
 
 Run time: `get_kernel(file, name)` -> cupy.RawKernel, compiled on first use for the current
 device with `-arch` from the device (CuPy picks sm_XX from its compute capability and adds
 `-ftz=true --device-as-default-execution-space`). Template kernels are instantiated through
-`name_expressions` (INSTANCES lists them).
+`name_expressions`; engine.gpu.registry.INSTANCES lists every production instance.
 
 CPU check: `compile_for_check(arch="sm_90")` runs NVRTC directly (cupy_backends), no driver,
 with the options CuPy would use plus `--ptxas-options=-v`, and returns the ptxas resource
@@ -22,6 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kernels_cu
+# The production instances and the MMQ tile names / configurations live in engine.gpu.registry
+# (a leaf module); re-exported here for the launchers and tests.
+from engine.gpu.registry import (  # noqa: F401
+    INSTANCES, MMQ_CONFIGS, MMQ_SPLIT_SUFFIX, instance_count, mmq_config, mmq_instance, mmq_split_name,
+    mmq_variants,
+)
 
 KERNEL_DIR = Path(kernels_cu.__file__).resolve().parent
 
@@ -29,62 +35,7 @@ KERNEL_DIR = Path(kernels_cu.__file__).resolve().parent
 OPTIONS: tuple[str, ...] = ("--std=c++17",)
 CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 
-# MMQ kernel configurations per family: name -> (MT, NT, WM, WN, MINB, KS, TC).
-# Warp tile (16 MT) tokens x (8 NT) rows, WM x WN warps, block tile BM = 16 MT WM tokens x
-# BN = 8 NT WN rows, __launch_bounds__ minimum blocks per SM = MINB, KS k per pipeline stage
-# (128 = half a super-block, 256 = one), then for q4_K TC: the min term per stage on TF32
-# tensor cores instead of one FFMA per output and block; for q6_K UNR: the compute loop's
-# unroll over the stage's q8_1 blocks. Measured in docs/perf-log.md.
-MMQ_CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int, int, int]]] = {
-    "q4_k": {
-        "m64n128": (2, 4, 2, 4, 2, 128, 0),         # 8 warps of 32x32, 2 blocks/SM
-        "m64n128tc": (2, 4, 2, 4, 2, 128, 1),
-        "m64n128tc_k256": (2, 4, 2, 4, 2, 256, 1),
-        "m128n128w8tc": (4, 4, 2, 4, 1, 128, 1),    # 8 warps of 64x32, 1 block/SM
-        "m128n128w8tc_k256": (4, 4, 2, 4, 1, 256, 1),
-    },
-    "q6_k": {   # last field: UNR, the compute loop's unroll over q8_1 blocks
-        "m64n128": (2, 4, 2, 4, 2, 128, 1),
-        "m128n128w8": (4, 4, 2, 4, 1, 128, 1),
-        "m128n128w8_k256": (4, 4, 2, 4, 1, 256, 1),
-        "m128n128w8_k256u2": (4, 4, 2, 4, 1, 256, 2),
-    },
-}
 MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
-
-
-def mmq_variants(kind: str) -> list[str]:
-    """Variant names compiled (and tested, benchmarked) for a kernel family."""
-    return list(MMQ_CONFIGS[kind])
-
-
-# A variant name may end in MMQ_SPLIT_SUFFIX: the same tile configuration launched with the tail
-# split (the tiles of the last, partial wave cut along K: engine.gpu.ops.mmq.split_plan), i.e. its
-# whole-tile instance, then its split-part instance (mmq_instance(..., split_part=True)).
-MMQ_SPLIT_SUFFIX = "+split"
-
-
-def mmq_split_name(variant: str) -> tuple[str, bool]:
-    """(MMQ_CONFIGS name, tail split?) of a variant name."""
-    if variant.endswith(MMQ_SPLIT_SUFFIX):
-        return variant[: -len(MMQ_SPLIT_SUFFIX)], True
-    return variant, False
-
-
-def mmq_config(kind: str, variant: str) -> tuple[int, int, int, int, int, int, int]:
-    try:
-        return MMQ_CONFIGS[kind][mmq_split_name(variant)[0]]
-    except KeyError:
-        raise KeyError(f"unknown MMQ variant {variant!r} for {kind} "
-                       f"(have {', '.join(MMQ_CONFIGS.get(kind, {}))}, each also with "
-                       f"{MMQ_SPLIT_SUFFIX})") from None
-
-
-def mmq_instance(kind: str, variant: str, split_part: bool = False) -> str:
-    """Template instance of a variant: split_part=False the whole-tile kernel, True the one
-    that computes the K-parts of split tiles (the "+split" launch uses both)."""
-    mt, nt, wm, wn, minb, ks, tc = mmq_config(kind, variant)
-    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}, {str(split_part).lower()}>"
 
 
 def mmq_uses_tc(kind: str, variant: str) -> bool:
@@ -109,22 +60,6 @@ def mmq_smem_bytes(kind: str, variant: str) -> int:
     if kind == "q6_k":     # expanded B planes + 2 x float2 [NC][BN]
         return a + MMQ_NBUF * bn * ks + MMQ_NBUF * nc * bn * 8
     raise ValueError(f"unknown MMQ kind {kind!r}")
-
-
-INSTANCES: dict[str, tuple[str, ...]] = {
-    "quantize_q8_1.cu": ("quantize_q8_1",),
-    "q6k_expand_check.cu": ("q6k_expand_check",),
-    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v in mmq_variants("q4_k") for sp in (False, True)),
-    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v in mmq_variants("q6_k") for sp in (False, True)),
-}
-try:  # decode-step kernels (engine/gpu/decode_instances.py is a leaf module listing their names)
-    from engine.gpu.decode_instances import DECODE_INSTANCES as _DECODE_INSTANCES
-except ImportError:  # pragma: no cover - absent in trees without the decode kernels
-    _DECODE_INSTANCES = {}
-INSTANCES.update(_DECODE_INSTANCES)
-# Prefill kernels (engine/gpu/model.py): extern "C" names listed in a leaf module.
-from engine.gpu.prefill_instances import PREFILL_INSTANCES  # noqa: E402
-INSTANCES.update(PREFILL_INSTANCES)
 
 
 # ----------------------------------------------------------------------------- source
@@ -281,6 +216,13 @@ def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> li
     return out
 
 
+def count_line() -> str:
+    """'N instances: file n, ...' of the registry (printed by the compile check)."""
+    c = instance_count()
+    return f"{sum(c.values())} kernel instances: " + ", ".join(f"{f} {n}" for f, n in c.items())
+
+
 if __name__ == "__main__":  # python -m engine.gpu.kernels: print the sm_90 resource table
+    print(count_line())
     for r in compile_for_check():
         print(r.line())

@@ -11,14 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from engine.errors import GGUFError
-from engine.gpu import decode_instances as DK
-from engine.gpu import kernels
+from engine.gpu import kernels, registry
 from engine.gpu.ops._util import contig, null
 
 # prefill
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
-ATT_HEAD_DIMS = (64, 128)   # instantiated head sizes
+ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 # decode
 ATT_TK = 64                 # keys per attention tile (attention_decode.cu)
 
@@ -54,10 +53,10 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None) -> Non
     if out_act is not None:
         contig(out_act.q, np.int8, (n, QD), "attention out q")
         contig(out_act.ds, np.float32, (n, QD // 32, 2), "attention out ds")
-        name, o, oq, ods = f"attn_prefill_h{hd}_q8", null(), out_act.q, out_act.ds
+        name, o, oq, ods = registry.attn_prefill_name(hd, True), null(), out_act.q, out_act.ds
     else:
         contig(out_f32, np.float32, (n, QD), "attention out")
-        name, o, oq, ods = f"attn_prefill_h{hd}_f32", out_f32, null(), null()
+        name, o, oq, ods = registry.attn_prefill_name(hd, False), out_f32, null(), null()
     if n == 0:
         return
     smem = attention_smem_bytes(hd)
@@ -79,23 +78,17 @@ def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) 
 
 def attention_launch(q, k_layer, v_layer, tok_stride: int, head_stride: int, pos_dev,
                      n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_split: int,
-                     part_o, part_ml, oq, ods, out=None, counters=None) -> None:
+                     part_o, part_ml, oq, ods, out=None) -> None:
     """Decode attention of q [H, hd] (float32) over keys 0..pos (pos read on the device):
-    split kernel + combine kernel (or, with `counters` uint32 [KVH] zeroed, the combine fused
-    into the split kernel's last block per KV head); writes q8_1 (oq, ods) and, if given,
-    float32 `out`."""
+    split kernel, then combine kernel; writes q8_1 (oq, ods) and, if given, float32 `out`."""
     group = n_heads // n_kv_heads
-    if group not in DK.ATTN_GROUPS or head_dim not in DK.ATTN_HEAD_DIMS:
+    if group not in registry.ATTN_GROUPS or head_dim not in registry.ATTN_HEAD_DIMS:
         raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
-                        f"is not compiled (groups {DK.ATTN_GROUPS}, head sizes {DK.ATTN_HEAD_DIMS})")
+                        f"is not compiled (groups {registry.ATTN_GROUPS}, head sizes {registry.ATTN_HEAD_DIMS})")
     scale = np.float32(1.0 / np.sqrt(head_dim))
     o = out if out is not None else null()
-    ks = kernels.get_kernel("attention_decode.cu", DK.attn_split_name(head_dim, group, kv_dtype))
-    if counters is not None:
-        ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                           pos_dev, scale, part_o, part_ml, counters, o, oq, ods))
-        return
+    ks = kernels.get_kernel("attention_decode.cu", registry.attn_split_name(head_dim, group, kv_dtype))
     ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
-                                       pos_dev, scale, part_o, part_ml, null(), null(), null(), null()))
-    kc = kernels.get_kernel("attention_decode.cu", DK.attn_combine_name(head_dim))
+                                       pos_dev, scale, part_o, part_ml))
+    kc = kernels.get_kernel("attention_decode.cu", registry.attn_combine_name(head_dim))
     kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), o, oq, ods))

@@ -18,16 +18,9 @@ from engine.gpu.ops._util import check_dev
 from engine.gpu.ops.q8 import Q8Act, quantize_q8_1
 from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
-# Tile variant per kernel family (engine.gpu.kernels.MMQ_CONFIGS), chosen from the measurements in
-# docs/perf-log.md: the 128x128 tiles (8 warps of 64x32, KS 256) are fastest once the grid
-# fills the GPU; while the 64-token grid still fits on the SMs (one block each), a lone
-# 64x128 block finishes ~1.5x sooner than a lone 128x128 one, so short prompts use it.
-DEFAULT_VARIANT = {"q4_k": "m128n128w8tc_k256", "q6_k": "m128n128w8_k256"}
-SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
-# Tail split (split_plan) for the DEFAULT_VARIANT choice: measured on the H200 (run 12 in
-# docs/perf-log.md): T=3314 q6_K 4096x4096 0.793 -> 0.739 ms, q4_K 4096x11008 1.266 -> 1.167;
-# whole-wave grids (T=512) unchanged.
-DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
+# The production tile choice (which config when, tail split or not) is registry data, next to the
+# instance list it decides; see engine.gpu.registry for the measurements behind it.
+from engine.gpu.registry import DEFAULT_SPLIT, DEFAULT_VARIANT, SMALL_VARIANT  # noqa: E402,F401
 SPLIT_MAX_PARTS = 4
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_BUFFERS: dict[int, tuple] = {}

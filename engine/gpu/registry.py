@@ -1,0 +1,145 @@
+"""Every production kernel instance, per kernels_cu file: the one list that the run-time
+compile (engine.gpu.kernels.get_module), the CPU compile check (compile_for_check,
+tests/test_kernels_compile.py) and the CPU emulator (tests/cuda_emu) read.
+
+A leaf module (no engine imports): names and tile geometry only. Only instances that the
+product launches are here; experiment arms that lost their measurements were removed from
+the kernels and are listed, with the perf-log run that retired them and the commit where
+their code still is, in dev/RETIRED.md.
+
+Prefill GEMMs (mmq_q4_k.cu / mmq_q6_k.cu, launched by engine.gpu.ops.mmq): a template instance
+per tile configuration; the configuration names are MMQ_CONFIGS keys, a launch's variant name
+may end in MMQ_SPLIT_SUFFIX (the tail split: the whole-tile instance, then its split-part
+instance). Decode GEMVs (mmvq_*.cu, engine.gpu.ops.mmvq) and everything else: extern "C"
+kernels, so the listed name is also the lowered name.
+"""
+from __future__ import annotations
+
+# ----------------------------------------------------------------------------- MMQ (prefill GEMMs)
+
+# name -> (MT, NT, WM, WN, MINB, KS, TC): warp tile (16 MT) tokens x (8 NT) rows, WM x WN warps,
+# block tile BM = 16 MT WM tokens x BN = 8 NT WN rows, __launch_bounds__ minimum blocks per SM
+# MINB, KS k per pipeline stage (128 = half a super-block, 256 = one); last field, q4_K: the min
+# term per stage on TF32 tensor cores (1); q6_K: the compute loop's unroll over the stage's
+# q8_1 blocks (1). Measured in docs/perf-log.md (runs 7 and 9 chose these).
+MMQ_CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int, int, int]]] = {
+    "q4_k": {
+        "m64n128tc_k256": (2, 4, 2, 4, 2, 256, 1),      # 8 warps of 32x32, 2 blocks/SM
+        "m128n128w8tc_k256": (4, 4, 2, 4, 1, 256, 1),   # 8 warps of 64x32, 1 block/SM
+    },
+    "q6_k": {
+        "m64n128": (2, 4, 2, 4, 2, 128, 1),
+        "m128n128w8_k256": (4, 4, 2, 4, 1, 256, 1),
+    },
+}
+# The production choice (engine.gpu.ops.mmq.choose_variant): the 128x128 tiles once the grid
+# fills the GPU; while the 64-token grid still fits on the SMs (one block each), a lone 64x128
+# block finishes ~1.5x sooner than a lone 128x128 one, so short prompts use it (perf-log run 9).
+DEFAULT_VARIANT = {"q4_k": "m128n128w8tc_k256", "q6_k": "m128n128w8_k256"}
+SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
+# Tail split for the DEFAULT_VARIANT choice, measured on the H200 (perf-log run 12): T=3314 q6_K
+# 4096x4096 0.793 -> 0.739 ms, q4_K 4096x11008 1.266 -> 1.167; whole-wave grids (T=512) unchanged.
+DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
+MMQ_SPLIT_SUFFIX = "+split"
+
+
+def mmq_variants(kind: str) -> list[str]:
+    """Tile configurations compiled (and tested, benchmarked) for a kernel family."""
+    return list(MMQ_CONFIGS[kind])
+
+
+def mmq_split_name(variant: str) -> tuple[str, bool]:
+    """(MMQ_CONFIGS name, tail split?) of a variant name."""
+    if variant.endswith(MMQ_SPLIT_SUFFIX):
+        return variant[: -len(MMQ_SPLIT_SUFFIX)], True
+    return variant, False
+
+
+def mmq_config(kind: str, variant: str) -> tuple[int, int, int, int, int, int, int]:
+    try:
+        return MMQ_CONFIGS[kind][mmq_split_name(variant)[0]]
+    except KeyError:
+        raise KeyError(f"unknown MMQ variant {variant!r} for {kind} "
+                       f"(have {', '.join(MMQ_CONFIGS.get(kind, {}))}, each also with "
+                       f"{MMQ_SPLIT_SUFFIX}; retired ones: dev/RETIRED.md)") from None
+
+
+def mmq_instance(kind: str, variant: str, split_part: bool = False) -> str:
+    """Template instance of a variant: split_part=False the whole-tile kernel, True the one
+    that computes the K-parts of split tiles (the "+split" launch uses both)."""
+    mt, nt, wm, wn, minb, ks, tc = mmq_config(kind, variant)
+    return f"mmq_{kind}<{mt}, {nt}, {wm}, {wn}, {minb}, {ks}, {tc}, {str(split_part).lower()}>"
+
+
+def mmq_launched(kind: str) -> list[tuple[str, bool]]:
+    """(config, split_part) of every MMQ instance the production choice launches."""
+    out = [(SMALL_VARIANT[kind], False), (DEFAULT_VARIANT[kind], False)]
+    if DEFAULT_SPLIT[kind]:
+        out.append((DEFAULT_VARIANT[kind], True))
+    return out
+
+
+# ----------------------------------------------------------------------------- decode
+
+MMVQ_MODES = ("store", "add", "swiglu")   # mmvq_*.cu MODE 0, 1, 2
+ATTN_HEAD_DIMS = (64, 128)
+ATTN_GROUPS = (1, 2, 4, 6, 7, 8)          # query heads per KV head (GQA)
+KV_DTYPES = ("f16", "f32")
+
+
+def mmvq_name(kind: str, mode: str, padded: bool = True) -> str:
+    """MMVQ kernel of a weight kind / layout and epilogue mode."""
+    if mode not in MMVQ_MODES:
+        raise ValueError(f"no MMVQ mode {mode!r} (have {MMVQ_MODES}; retired ones: dev/RETIRED.md)")
+    if kind == "q4_k":
+        return f"mmvq_q4_k_{mode}"
+    if kind == "q6_k":
+        return f"mmvq_q6_k_{'pad' if padded else 'raw'}_{mode}"
+    raise ValueError(f"no MMVQ kernel for {kind!r}")
+
+
+def attn_split_name(head_dim: int, group: int, kv_dtype: str) -> str:
+    return f"attn_split_h{head_dim}_g{group}_{kv_dtype}"
+
+
+def attn_combine_name(head_dim: int) -> str:
+    return f"attn_combine_h{head_dim}"
+
+
+# ----------------------------------------------------------------------------- prefill (extern "C")
+
+ATT_PREFILL_HEAD_DIMS = (64, 128)
+
+
+def attn_prefill_name(head_dim: int, q8: bool) -> str:
+    return f"attn_prefill_h{head_dim}_{'q8' if q8 else 'f32'}"
+
+
+# ----------------------------------------------------------------------------- the registry
+
+INSTANCES: dict[str, tuple[str, ...]] = {
+    # prefill
+    "embed.cu": ("embed_q4_k", "embed_q6_k"),
+    "rmsnorm.cu": ("add_rmsnorm_q8_1",),
+    "rope.cu": ("qkv_rope",),
+    "attention_prefill.cu": tuple(attn_prefill_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
+    "swiglu.cu": ("swiglu_q8_1",),
+    "quantize_q8_1.cu": ("quantize_q8_1",),
+    "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),
+    "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
+    # decode step
+    "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
+                        "swiglu_mul", "set_state"),
+    "mmvq_q4_k.cu": tuple(mmvq_name("q4_k", m) for m in MMVQ_MODES),
+    "mmvq_q6_k.cu": tuple(mmvq_name("q6_k", m, p) for p in (True, False) for m in MMVQ_MODES),
+    "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
+                                 for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS),
+    "argmax.cu": ("argmax_step",),
+    # verification (tests/test_gpu_mmq.py, not on the forward path)
+    "q6k_expand_check.cu": ("q6k_expand_check",),
+}
+
+
+def instance_count() -> dict[str, int]:
+    """Instances per kernel file (the compile test prints it)."""
+    return {f: len(v) for f, v in sorted(INSTANCES.items())}
