@@ -21,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from server.errors import APIError, AuthMiddleware, BodyGuardMiddleware, error_body, install_error_handlers
 from server.metrics import Metrics
 from server.runner import Engine, Job, Runner, new_job, synthetic_ids
-from server.sampling import Sampler
+from server.openai_api import (CompletionLogprobs, chat_logprobs, check_model, max_new_tokens,
+                               merge_blocks, model_not_found, plan_generation, refuse)
 from server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, PrefillRequest,
                             TokenizeRequest, timings_dict, usage_dict)
 from server.settings import Settings
@@ -92,17 +93,26 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
             return JSONResponse(err.body(), status_code=503)
         return {"status": "ok"}
 
+    def model_card(eng: Engine) -> dict[str, Any]:
+        cfg = eng.model.config
+        return {"id": eng.model_id, "object": "model", "created": 0, "owned_by": "gguf-prefill",
+                "aliases": list(eng.names()[1:]),
+                "meta": {"n_ctx": eng.n_ctx, "n_ctx_train": eng.n_ctx_train,
+                         "n_vocab": eng.vocab_size, "arch": getattr(cfg, "arch", None),
+                         "n_layers": getattr(cfg, "n_layers", None),
+                         "backend": type(eng.model).__name__,
+                         "device": getattr(eng.model, "device", None)}}
+
     @app.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [model_card(ready_engine())]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str):
         eng = ready_engine()
-        cfg = eng.model.config
-        return {"object": "list", "data": [{
-            "id": eng.model_id, "object": "model", "created": 0, "owned_by": "gguf-prefill",
-            "meta": {"n_ctx": eng.n_ctx, "n_ctx_train": eng.n_ctx_train,
-                     "n_vocab": eng.vocab_size, "arch": getattr(cfg, "arch", None),
-                     "n_layers": getattr(cfg, "n_layers", None),
-                     "backend": type(eng.model).__name__,
-                     "device": getattr(eng.model, "device", None)}}]}
+        if model_id not in eng.names():
+            raise model_not_found(model_id, eng)
+        return model_card(eng)
 
     @app.get("/metrics")
     async def metrics_route():
@@ -144,12 +154,16 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         eng = ready_engine()
+        refuse(req)
+        check_model(eng, req)
         ids = await prompt_ids(eng, req.prompt)
         return await run_generation(eng, req, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         eng = ready_engine()
+        refuse(req)
+        check_model(eng, req)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await run_in_threadpool(eng.encode_chat, messages)
         return await run_generation(eng, req, ids, request, chat=True)
@@ -157,32 +171,30 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     # ---- helpers -----------------------------------------------------------------------------
     async def run_generation(eng: Engine, req, ids: list[int], request: Request, chat: bool):
         n_prompt = len(ids)
-        if req.max_tokens is None:
-            # OpenAI: completions default to 16 tokens; chat runs to the end of the context
-            max_tokens = 16 if not chat else max(eng.n_ctx - n_prompt, 1)
-        else:
-            max_tokens = req.max_tokens
+        max_tokens = max_new_tokens(req, chat, n_prompt, eng.n_ctx)
         if n_prompt + max_tokens > eng.n_ctx:
             raise exceed_context(n_prompt, max_tokens, eng.n_ctx, "prompt")
-        sampler = None
-        if req.temperature > 0:
-            sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
-        job = runner.submit(new_job("generate", ids, max_tokens=max_tokens, sampler=sampler,
-                                    stops=req.stop_list(), ignore_eos=req.ignore_eos))
+        plan = await plan_generation(eng, req, ids, chat, max_tokens)
+        job = runner.submit(new_job("generate", ids, max_tokens=max_tokens, sampler=plan.sampler,
+                                    stops=req.stop_list(), ignore_eos=req.ignore_eos,
+                                    prompt_logprobs=plan.prompt_logprobs))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(stream_events(job, rid, created, eng.model_id, chat, req),
+            return StreamingResponse(stream_events(job, rid, created, eng, chat, req, plan),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
         parts: list[str] = []
+        prompt_lps: list[Any] = []
 
         async def collect():
             while True:
                 kind, payload = await job.next_event()
                 if kind == "text":
-                    parts.append(payload)
+                    parts.append(payload[0])
+                elif kind == "prompt":
+                    prompt_lps[:] = payload
                 elif kind == "error":
                     raise payload
                 else:
@@ -193,51 +205,88 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         choice: dict[str, Any] = {"index": 0, "finish_reason": done["finish_reason"]}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = (chat_logprobs(eng.token_bytes, done["logprobs"])
+                                  if plan.top_logprobs is not None else None)
         else:
-            choice["text"] = text
-            choice["logprobs"] = None
+            lp = None
+            if plan.top_logprobs is not None:
+                fmt = CompletionLogprobs(eng.token_bytes)
+                if plan.prompt_logprobs is not None:
+                    lp = fmt.block(prompt_lps[plan.echo_skip:], ids[plan.echo_skip:])
+                fmt.restart(len(plan.echo or ""))
+                lp = merge_blocks(lp, fmt.block(done["logprobs"]))
+            choice["text"] = (plan.echo or "") + text
+            choice["logprobs"] = lp
         if req.return_tokens:
             choice["tokens"] = done["tokens"]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": eng.model_id, "choices": [choice],
-                "usage": usage_dict(n_prompt, len(done["tokens"])),
+                "created": created, "model": eng.model_id, "system_fingerprint": fingerprint(eng),
+                "choices": [choice], "usage": usage_dict(n_prompt, len(done["tokens"])),
                 "timings": done["timings"]}
 
-    async def stream_events(job: Job, rid: str, created: int, model_id: str, chat: bool,
-                            req) -> AsyncIterator[bytes]:
+    async def stream_events(job: Job, rid: str, created: int, eng: Engine, chat: bool,
+                            req, plan) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
+        model_id = eng.model_id
+        fmt = CompletionLogprobs(eng.token_bytes, len(plan.echo or ""))
+        want_lp = plan.top_logprobs is not None
 
-        def chunk(delta: str | None, finish: str | None, **extra: Any) -> bytes:
+        def chunk(delta: str | None, finish: str | None, lps=None, **extra: Any) -> bytes:
             if chat:
                 d: dict[str, Any] = {} if delta is None else {"content": delta}
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                if want_lp and lps:
+                    choice["logprobs"] = chat_logprobs(eng.token_bytes, lps)
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None,
                           "finish_reason": finish}
+                if want_lp and lps is not None:
+                    choice["logprobs"] = fmt.block(lps)
             body = {"id": rid, "object": obj, "created": created, "model": model_id,
-                    "choices": [choice], **extra}
-            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+                    "system_fingerprint": fingerprint(eng), "choices": [choice], **extra}
+            if plan.include_usage:
+                body.setdefault("usage", None)
+            return sse(body)
 
         try:
             if chat:
                 first = {"id": rid, "object": obj, "created": created, "model": model_id,
+                         "system_fingerprint": fingerprint(eng),
                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None}]}
-                yield b"data: " + json.dumps(first).encode() + b"\n\n"
+                                      "logprobs": None, "finish_reason": None}]}
+                if plan.include_usage:
+                    first["usage"] = None
+                yield sse(first)
+            elif plan.echo is not None and plan.prompt_logprobs is None:
+                yield chunk(plan.echo, None)
             while True:
                 kind, payload = await job.next_event()
                 if kind == "text":
-                    yield chunk(payload, None)
+                    yield chunk(payload[0], None, payload[1])
+                elif kind == "prompt":  # echo + logprobs: the prompt text and its scores
+                    echo = chunk(plan.echo, None)
+                    if not chat:
+                        prompt = CompletionLogprobs(eng.token_bytes)
+                        body = json.loads(echo[len(b"data: "):])
+                        body["choices"][0]["logprobs"] = prompt.block(
+                            payload[plan.echo_skip:], job.prompt_ids[plan.echo_skip:])
+                        echo = sse(body)
+                    yield echo
                 elif kind == "error":
                     yield b"data: " + json.dumps(payload.body()).encode() + b"\n\n"
                     return
                 else:
-                    extra: dict[str, Any] = {
-                        "usage": usage_dict(len(job.prompt_ids), len(payload["tokens"])),
-                        "timings": payload["timings"]}
+                    usage = usage_dict(len(job.prompt_ids), len(payload["tokens"]))
+                    extra: dict[str, Any] = {"timings": payload["timings"]}
+                    if not plan.include_usage:
+                        extra["usage"] = usage  # llama-server style, on the finish chunk
                     if req.return_tokens:
                         extra["tokens"] = payload["tokens"]
                     yield chunk(None, payload["finish_reason"], **extra)
+                    if plan.include_usage:
+                        yield sse({"id": rid, "object": obj, "created": created, "model": model_id,
+                                   "system_fingerprint": fingerprint(eng), "choices": [],
+                                   "usage": usage, "timings": payload["timings"]})
                     yield b"data: [DONE]\n\n"
                     return
         finally:

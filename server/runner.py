@@ -42,6 +42,11 @@ class Engine:
     model_id: str
     n_ctx_train: int = 0
 
+    def names(self) -> tuple[str, ...]:
+        """What a request's `model` may say: the served id (the file name) or its stem."""
+        stem = self.model_id[:-5] if self.model_id.endswith(".gguf") else self.model_id
+        return (self.model_id, stem) if stem and stem != self.model_id else (self.model_id,)
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
@@ -176,9 +181,10 @@ class Job:
     kind: str  # "generate" | "prefill"
     prompt_ids: list[int]
     max_tokens: int = 0
-    sampler: Any = None
+    sampler: Any = None  # None: greedy; a Sampler or a sampling.TokenChooser
     stops: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # echo + logprobs: score the prompt, top-k per position
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -327,17 +333,56 @@ class Runner:
         self.metrics.observe_prefill(n, dt)
         job.emit("done", {"prompt_n": n, "prompt_ms": dt * 1e3})
 
+    def _score_prompt(self, job: Job) -> float:
+        """echo + logprobs: one prefill with the logits of every position; position i scores
+        prompt token i + 1 (the first token has no logprob)."""
+        from server.sampling import TokenLogprob, log_softmax, top_entries
+
+        model = self.engine.model
+        ids = job.prompt_ids
+        t0 = time.perf_counter()
+        rows = model.forward(ids, model.new_cache(len(ids)), all_logits=True)
+        dt = time.perf_counter() - t0
+        self.metrics.observe_prefill(len(ids), dt)
+        k = int(job.prompt_logprobs or 0)
+        out: list[TokenLogprob | None] = [None]
+        for i in range(1, len(ids)):
+            lp = log_softmax(rows[i - 1])
+            out.append(TokenLogprob(int(ids[i]), float(lp[ids[i]]), top_entries(lp, k)))
+        job.emit("prompt", out)
+        return dt
+
     def _run_generate(self, job: Job) -> None:
         from engine.generate import Generation, generate_steps
+        from server.sampling import TokenChooser
 
         eng = self.engine
+        score_s = self._score_prompt(job) if job.prompt_logprobs is not None else 0.0
         eog = set() if job.ignore_eos else eng.eog_ids()
         res = Generation(list(job.prompt_ids))
         text = TextAssembler(eng.token_bytes, job.stops)
+        chooser = job.sampler if isinstance(job.sampler, TokenChooser) else None
+        records = chooser.records if chooser is not None and chooser.top_logprobs is not None else None
         tokens: list[int] = []
+        pending = 0  # tokens whose logprobs have not gone out with a text event yet
         finish: str | None = None
         prefill_seen = False
-        steps = generate_steps(eng.model, job.prompt_ids, job.max_tokens, eog, job.sampler, res)
+
+        def emit_text(delta: str) -> None:
+            nonlocal pending
+            lps = None
+            if records is not None:
+                lps = records[len(tokens) - pending:len(tokens)]
+            pending = 0
+            job.emit("text", (delta, lps))
+
+        if job.max_tokens == 0:  # prompt scoring only (echo)
+            res.stop_reason = "length"
+            res.prompt_ms = score_s * 1e3
+            prefill_seen = True  # counted by _score_prompt
+            steps = iter(())
+        else:
+            steps = generate_steps(eng.model, job.prompt_ids, job.max_tokens, eog, job.sampler, res)
         try:
             for step in steps:
                 if not prefill_seen:
@@ -346,30 +391,39 @@ class Runner:
                     self.metrics.time_to_first_token.observe(time.perf_counter() - job.submitted)
                 self.metrics.generated_tokens.inc()
                 tokens.append(int(step.token))
+                pending += 1
                 delta = text.push(int(step.token))
                 if delta:
-                    job.emit("text", delta)
+                    emit_text(delta)
                 if text.stopped:
                     finish = "stop"
+                    break
+                if chooser is not None and chooser.stopped:
+                    finish = "stop"  # the structured output is complete
                     break
                 if job.cancelled.is_set() or self._stop.is_set():
                     finish = "cancelled"
                     break
         finally:
-            steps.close()
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
         if not prefill_seen and res.prompt_ms > 0:
             self.metrics.observe_prefill(len(job.prompt_ids), res.prompt_ms / 1e3)
         if finish == "cancelled":
             self.metrics.cancelled.inc()
         if finish is None:
             finish = "stop" if res.stop_reason == "eog" else "length"
+        if chooser is not None and chooser.error:
+            log.warning("structured output ended early: %s", chooser.error)
         tail = text.finish()
-        if tail:
-            job.emit("text", tail)
+        if tail or pending:
+            emit_text(tail)
         timings = res.timings
         timings["predicted_n"] = len(tokens)
         job.emit("done", {"finish_reason": finish, "tokens": tokens, "timings": timings,
-                          "prompt_n": len(job.prompt_ids)})
+                          "prompt_n": len(job.prompt_ids),
+                          "logprobs": records[:len(tokens)] if records is not None else None})
 
 
 def synthetic_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:

@@ -453,14 +453,19 @@ def test_404_405(client):
 
 
 def test_no_request_names_a_file(client, tiny_engine):
-    """`model` is only echoed; unknown fields (a path anywhere) are ignored, never opened."""
-    for body in ({"prompt": "Hello", "max_tokens": 3, "model": "/etc/passwd"},
-                 {"prompt": "Hello", "max_tokens": 3, "model": "../../../../etc/shadow",
-                  "model_path": "/etc/passwd", "lora": "/etc/passwd", "grammar_file": "/etc/passwd"}):
-        r = client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == "tiny.gguf"
+    """`model` is only compared with the served id (a path is a 404 model_not_found); unknown
+    fields (a path anywhere) are refused by name (400), never opened."""
+    for model in ("/etc/passwd", "../../../../etc/shadow"):
+        r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "model": model})
+        assert_error(r, 404, "model_not_found", model)
         assert "root:" not in r.text
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "model": "tiny.gguf",
+                                             "model_path": "/etc/passwd", "lora": "/etc/passwd",
+                                             "grammar_file": "/etc/passwd"})
+    assert_error(r, 400, "invalid_request_error", "model_path", "lora", "grammar_file", "unrecognized")
+    assert "root:" not in r.text
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "model": "tiny.gguf"})
+    assert r.status_code == 200 and r.json()["model"] == "tiny.gguf"
     from server import schemas
 
     for cls in (schemas.CompletionRequest, schemas.ChatRequest, schemas.PrefillRequest,
