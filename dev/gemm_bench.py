@@ -1,6 +1,6 @@
 """GEMM microbenchmark: the MMQ kernels on the 7B shapes against cuBLAS on f16 weights.
 
-    python -m engine.tools.gemm_bench [--tokens 512,3314] [--variants all|default|NAME,..] [--reps 20]
+    python -m dev.gemm_bench [--tokens 512,3314] [--variants all|default|NAME,..] [--reps 20]
                                 [--shapes 7b|sweep|KIND:NxK,..] [--json OUT.json]
 
 For each (kind, N x K) and token count T: random valid blocks (random bytes, sane f16 scales),
@@ -12,7 +12,7 @@ L2 flushed by a 256 MB memset before every timed run) of
     whole-tile waves),
   - cupy.matmul(x16 [T, K], W16^T) with W16 the host-dequantized weights in f16 (cuBLAS),
 and the same-run ratio = cuBLAS ms / MMQ ms (the MMQ rate as a fraction of cuBLAS's).
-Each MMQ output is checked on 16 sampled weight rows against engine.formats.quants' float64 oracle
+Each MMQ output is checked on 16 sampled weight rows against engine.reference.mmq's float64 oracle
 (error_bound: |y - ref| <= (K/16 + 4) 2^-24 S, S the sum of term magnitudes).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from engine.formats import quants as Q
+from engine.reference.mmq import abs_terms, error_bound, mmq_reference, random_blocks
 
 # (kind, N, K): llama2-7b linear layers (q4_K_M puts q6_K on attn_v / ffn_down in some layers
 # and on output.weight).
@@ -56,72 +57,6 @@ def parse_shapes(spec: str) -> list[tuple[str, int, int]]:
             raise ValueError(f"--shapes: bad item {item!r} (want q4_k|q6_k:NxK, K % 256 == 0)")
         out.append((kind, int(n), int(k)))
     return out
-
-
-def random_blocks(rng, kind: str, n_rows: int, K: int, special: bool = True) -> np.ndarray:
-    """Random valid q4_K / q6_K rows uint8 [n_rows, K/256*bytes]: random bytes with the f16
-    scale fields set to finite values in (-0.05, 0.05) (a few tiny / zero ones if special)."""
-    bb = Q.Q4_K_BYTES if kind == "q4_k" else Q.Q6_K_BYTES
-    offs = (0, 2) if kind == "q4_k" else (208,)
-    nb = K // Q.QK_K
-    b = rng.integers(0, 256, (n_rows * nb, bb), dtype=np.uint8)
-    for off in offs:
-        v = rng.uniform(-0.05, 0.05, b.shape[0]).astype("<f2")
-        if special:
-            v[::29] = np.float16(6e-8)
-            v[::31] = np.float16(0.0)
-        b[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
-    return b.reshape(n_rows, nb * bb)
-
-
-U32 = 2.0 ** -24   # float32 unit roundoff
-
-
-def abs_terms(kind: str, w, q, d, s, padded: bool = False):
-    """Magnitudes of the scaled terms the GEMM sums, float64 [T, N] each: (S, S_min).
-    q4_K: S = sum_g |d sc| |d8| sum_l q4 |q8| + |dmin m| |s8|, S_min = the second part;
-    q6_K: S = sum_j |d sc_j| |d8| sum_l |q6 - 32| |q8|, S_min = 0."""
-    T, K = q.shape
-    N = w.shape[0]
-    aq = np.abs(q.astype(np.float32))
-    ad = np.abs(np.asarray(d, np.float64)).reshape(T, K // 32)
-    if kind == "q4_k":
-        dw, dmin, sc, m, q4 = Q.q4_k_fields(w.reshape(-1, Q.Q4_K_BYTES))
-        G = K // 32
-        A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, G)
-        M = np.abs(dmin.astype(np.float64)[:, None] * m).reshape(N, G)
-        smin = np.abs(np.asarray(s, np.float64)).reshape(T, G) @ M.T
-        tot = smin.copy()
-        wq = q4.reshape(N, G, 32).astype(np.float32)
-        for g in range(G):
-            tot += (ad[:, g:g + 1] * A[None, :, g]) * (aq[:, 32 * g:32 * g + 32] @ wq[:, g, :].T)
-        return tot, smin
-    bb = Q.Q6_K_PADDED_BYTES if padded else Q.Q6_K_BYTES
-    dw, sc, q6 = Q.q6_k_fields(w.reshape(-1, bb), padded=padded)
-    J = K // 16
-    A = np.abs(dw.astype(np.float64)[:, None] * sc).reshape(N, J)
-    wq = np.abs(q6.reshape(N, J, 16).astype(np.float32))
-    tot = np.zeros((T, N))
-    for j in range(J):
-        tot += (ad[:, j // 2:j // 2 + 1] * A[None, :, j]) * (aq[:, 16 * j:16 * j + 16] @ wq[:, j, :].T)
-    return tot, np.zeros_like(tot)
-
-
-def error_bound(kind: str, variant: str, K: int, S, S_min):
-    """The stated per-element bound on |y - ref| (float64 [T, N]).
-
-    Integer dots are exact; each scaled term gets at most three float32 roundings and the
-    K/32 (q4_K: 2K/32) terms are summed in float32: gamma_n with n <= K/16 + 3, so
-    (K/16 + 4) u S. The "tc" variants compute each stage's min term on TF32 tensor cores
-    with s8 split hi + lo (representation error <= 2^-22 |s8|, products exact) and f32
-    accumulation of 8 products (<= 8 x 2^-22 of their magnitude): + 40 u S_min.
-    The tail split ("+split") sums each part's terms, then the P parts in order: a term sees
-    at most (its part's terms) + 3 + (P - 1) <= K/16 + 3 roundings, the same bound."""
-    from engine.gpu.kernels import mmq_uses_tc
-    b = (K / 16 + 4) * U32 * S
-    if mmq_uses_tc(kind, variant):
-        b = b + 40 * U32 * S_min
-    return b
 
 
 class Timer:
@@ -200,11 +135,10 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                 ys = cp.asnumpy(y[:, cp.asarray(sample)]).astype(np.float64)
                 if ref is None:
                     ws = w[sample]
-                    ref = (Q.mmq_reference_q4_k(ws, q_h, d_h, s_h) if kind == "q4_k"
-                           else Q.mmq_reference_q6_k(ws, q_h, d_h, s_h))
+                    ref = mmq_reference(kind, ws, q_h, d_h, s_h)
                     S, S_min = abs_terms(kind, ws, q_h, d_h, s_h)
                 err = np.abs(ys - ref)
-                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(kind, v, K, S, S_min)))
+                ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(kind, K, S, S_min, kernels.mmq_uses_tc(kind, v))))
                 ops = 2.0 * T * N * K
                 grid = gpu_ops.mmq_grid(kind, v, T, N, K)
                 row = {

@@ -1,7 +1,7 @@
 """Launch sequence for Nsight Compute: one warm-up then one profiled launch of each MMQ kernel.
 
     ncu --clock-control none --kernel-name regex:mmq_q --launch-skip 2 --launch-count 2 \\
-        --section SpeedOfLight --section WarpStateStats ... python3 scripts/ncu_mmq.py [T N K VARIANT]
+        --section SpeedOfLight --section WarpStateStats ... python3 -m dev.ncu_mmq [T N K VARIANT]
 """
 import sys
 
@@ -9,7 +9,7 @@ import cupy as cp
 import numpy as np
 
 from engine.gpu.ops import mmq as gpu_ops
-from engine.tools.gemm_bench import random_blocks
+from engine.reference.mmq import random_blocks
 from engine.gpu.weights import upload_weight
 
 T, N, K = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (3314, 11008, 4096)

@@ -47,7 +47,7 @@ step_tests() {
 }
 
 step_bench() {
-  python3 -m engine.tools.gemm_bench --json "$OUT/gemm_bench.json" 2>&1 | tee "$OUT/gemm_bench.log"
+  python3 -m dev.gemm_bench --json "$OUT/gemm_bench.json" 2>&1 | tee "$OUT/gemm_bench.log"
   local rc="${PIPESTATUS[0]}"
   step_sweep || rc=1
   return "$rc"
@@ -55,7 +55,7 @@ step_bench() {
 
 # the production variant choice (gpu_ops.choose_variant) across token counts
 step_sweep() {
-  python3 -m engine.tools.gemm_bench --shapes sweep --variants default --tokens 1,64,65,256,512,1024,3314,8192 \
+  python3 -m dev.gemm_bench --shapes sweep --variants default --tokens 1,64,65,256,512,1024,3314,8192 \
       --reps 10 --json "$OUT/gemm_sweep.json" 2>&1 | tee -a "$OUT/gemm_bench.log"
   return "${PIPESTATUS[0]}"
 }
@@ -69,7 +69,7 @@ step_ncu() {
       --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
       --section SourceCounters --section InstructionStats \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-      python3 scripts/ncu_mmq.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
+      python3 -m dev.ncu_mmq ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
   local rc=$?
   grep -E "mmq_q|stalled|Duration|Throughput|Warp Cycles Per Issued|Issued Ipc|No Eligible|Achieved Occupancy|Registers Per|Eligible Warps|Active Warps|Pipe|Bank" "$OUT/ncu.txt" | cut -c1-150 | head -120
   return $rc

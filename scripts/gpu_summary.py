@@ -40,12 +40,12 @@ def main(out: str) -> int:
                   f"{max(r['rel_l2'] for r in rs):10.2e}  {shapes}")
     bj = os.path.join(out, "gemm_bench.json")
     if os.path.exists(bj):
-        from engine.tools.gemm_bench import table
+        from dev.gemm_bench import table
         print("\n# GEMM microbenchmark (median ms; ratio = cuBLAS f16 ms / MMQ ms, same run)")
         print(table(json.load(open(bj))))
     sw = os.path.join(out, "gemm_sweep.json")
     if os.path.exists(sw):
-        from engine.tools.gemm_bench import table
+        from dev.gemm_bench import table
         print("\n# production variants across token counts")
         print(table(json.load(open(sw))))
     return 0

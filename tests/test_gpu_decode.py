@@ -1,27 +1,35 @@
-"""GPU decode step (engine/gpu/decode.py): MMVQ GEMVs, split-K decode attention, argmax, the
-small fused kernels, and whole-model greedy decoding against the numpy reference.
+"""GPU decode mode (engine/gpu/decode.py, engine/gpu/session.py): MMVQ GEMVs, split-K decode
+attention, argmax, the small fused kernels, and whole-model decoding through GPUModel's
+sessions against the numpy reference.
 
 Checks (each on fresh random inputs, outputs poisoned before the launch):
-- MMVQ q4_K and q6_K (raw 210 B and padded 224 B rows), every rows-per-warp variant and mode
-  (store / add / swiglu), against engine.formats.quants.mmq_reference_q4_k / _q6_k. Bound per element:
+- MMVQ q4_K and q6_K (raw 210 B and padded 224 B rows), the production instance (1 row per
+  warp) in every mode (store / add / swiglu), against
+  engine.reference.mmq.mmq_reference_q4_k / _q6_k. Bound per element:
       |y - ref| <= (K/16 + 8) * 2^-24 * S,  S = the sum of the magnitudes of the scaled terms
   (exact integer dots; each q8_1 block's term takes a few float32 roundings and at most K/32
   partial sums are added in float32 per row, so gamma_n with n <= K/16 + 8 bounds it).
-- decode attention at 1, 100 and 3,314 keys (GQA groups 1, 2, 6, f16 and f32 caches, several
-  split counts, token-major and head-major layouts) against float64 softmax attention over the
+- decode attention at 1, 100 and 3,314 keys (GQA groups 1, 2, 6, f16 (and, while compiled,
+  f32) caches, several split counts, token-major and head-major layouts) against float64 softmax
+  attention over the
   same cached values: |o - ref| <= 1e-5 * max|V| + 1e-6; its q8_1 output identical to
   engine.formats.quants.quantize_q8_1 of its float32 output.
 - argmax: numpy.argmax semantics (ties -> lowest id, NaN wins), state and history updates.
 - embedding rows bit-identical to the reference's dequantization; rmsnorm + q8_1 within 2 ulp
   of the reference and q8_1 identical to quantize_q8_1 of the kernel's own float32 output;
-  bias + RoPE + KV append bit-identical to engine.reference.model (float32 cache).
-- whole decode (synthetic tiny llama and qwen2 models, f16 and f32 KV caches): logits of every
-  step within a relative L2 error of 3e-2 of the reference (q8_1 activations against float32)
-  and the same argmax wherever the reference's margin is >= 0.5; graph replay bit-identical to
-  kernel-by-kernel launches.
+  bias + RoPE + KV append bit-identical to the reference's RoPE (rounded to the cache type).
+- whole decode (synthetic tiny llama and qwen2 models; GPUModel, every token through a
+  session's decode steps from an empty cache): logits of every step within a relative L2 error
+  of 3e-2 of the reference (q8_1 activations against float32) and the same argmax wherever the
+  reference's margin is >= 1.0; graph replay bit-identical to kernel-by-kernel launches.
+- sessions: a pooled session is reused across requests (same graph, captured once) with the
+  same tokens; greedy generation never copies the logits to the host; a sampler's off-argmax
+  choice is fed correctly (logits bit-identical to stepping the same ids by hand); prefill +
+  decode steps agree with teacher-forced prefill logits.
 - greedy-32 goldens recorded from the numpy reference (tests/goldens/decode_*.json, made with
   `gguf-prefill greedy32 --record ... --device cpu`, see tests/goldens/README.md) replayed on the
-  GPU with the margin rule (MIN_MARGIN = 1.0), free-running and teacher-forced, after a short
+  GPU (GPUModel: prompt by the prefill kernels, tokens by the decode graph) with the margin rule
+  (MIN_MARGIN = 1.0), free-running and teacher-forced through decode steps, after a short
   prompt and after a 3,314-token prompt, on the tiny synthetic model and on a real-weight slice
   (.gpu_data/slice.gguf; skipped when absent). The threshold: q8_1 activations (as llama.cpp's
   MMQ/MMVQ) move the logits by at most 0.61 (tiny) / 0.45 (slice) against the float32
@@ -43,6 +51,7 @@ import numpy as np
 import pytest
 
 from engine.formats import quants as Q
+from engine.reference import mmq as RM
 
 pytestmark = pytest.mark.gpu
 
@@ -126,51 +135,23 @@ def upload_act(cp, q, d, s):
 
 MMVQ_SHAPES = ([(37, 768), (5, 256), (64, 512)] if EMU else
                [(1, 256), (7, 1536), (33, 4096), (4099, 4096), (517, 11008), (300, 2048), (4096, 4096)])
-# the other variants: fewer shapes (the oracle's time), still ragged rows, long K and addnorm's
-MMVQ_SHAPES_SMALL = [(37, 768), (64, 512)] if EMU else [(7, 1536), (517, 11008), (1024, 2048)]
-MMVQ_FULL_VARIANTS = ((2, 0), (2, 2))
 
 
 def _oracle(kind):
-    return Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k
-
-
-def _check_addnorm(cp, got_y, nw, eps, oq, ods):
-    """The addnorm tail's q8_1 against the float64 rmsnorm of the kernel's own y. The kernel's
-    scale r = 1/sqrt(mean(y^2) + eps) sums K/128 squares per thread, then 5 butterfly and 4
-    warp adds in float32: relative error <= (K/128 + 9) u in the sum, half that in r, so d is
-    within ((K/128 + 9) / 2 + 4) u of the exact d; r cancels in h/d, so q stays within one
-    step of the exact quotient; s = d * sum(q) exactly."""
-    y64 = got_y.astype(np.float64)
-    K = y64.size
-    h = y64 / np.sqrt(np.mean(y64 * y64) + float(eps)) * nw.astype(np.float64)
-    q = cp.asnumpy(oq).astype(np.float64)
-    ds = cp.asnumpy(ods).astype(np.float64)
-    hb = h.reshape(-1, 32)
-    d_ref = np.abs(hb).max(-1) / 127.0
-    assert np.all(np.abs(ds[:, 0] - d_ref) <= ((K / 128 + 9) / 2 + 4) * U * d_ref + 1e-38)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        quo = np.where(d_ref[:, None] > 0, hb / d_ref[:, None], 0.0)
-    assert np.all(np.abs(q.reshape(-1, 32) - quo) <= 0.5 + 1e-3)
-    s_q = ds[:, 0] * q.reshape(-1, 32).sum(-1)
-    assert np.allclose(ds[:, 1], s_q, rtol=1e-6, atol=1e-30)
+    return RM.mmq_reference_q4_k if kind == "q4_k" else RM.mmq_reference_q6_k
 
 
 @pytest.mark.parametrize("layout", ["q4_k", "q6_k_pad", "q6_k_raw"])
-@pytest.mark.parametrize("variant", [(1, 0), (2, 0), (4, 0), (1, 2), (2, 2), (4, 2), (1, 4), (2, 4)],
-                         ids=lambda v: f"R{v[0]}U{v[1]}")
-@pytest.mark.parametrize("mode", ["store", "add", "swiglu", "addnorm"])
-def test_mmvq(cp, rng, layout, variant, mode):
+@pytest.mark.parametrize("mode", ["store", "add", "swiglu"])
+def test_mmvq(cp, rng, layout, mode):
     from engine.gpu.ops.mmvq import mmvq_launch
     from engine.gpu.weights import upload_weight
 
-    rows_per_warp, unroll = variant
     kind = layout[:4]
     ttype = "Q4_K" if kind == "q4_k" else "Q6_K"
     pad = layout.endswith("pad")
     worst = 0.0
-    counter = cp.zeros(1, dtype=cp.uint32)
-    shapes = MMVQ_SHAPES if variant in MMVQ_FULL_VARIANTS else MMVQ_SHAPES_SMALL
+    shapes = MMVQ_SHAPES
     for N, K in shapes:
         w = rand_rows(rng, kind, N, K)
         x = (rng.standard_normal((1, K)) * 10.0 ** rng.uniform(-2, 2)).astype(np.float32)
@@ -183,35 +164,23 @@ def test_mmvq(cp, rng, layout, variant, mode):
         xq, xds = upload_act(cp, q, d, s)
         if mode == "store":
             y = cp.full(N, np.nan, dtype=cp.float32)
-            mmvq_launch([dw], [y], xq, xds, "store", rows_per_warp, unroll)
+            mmvq_launch([dw], [y], xq, xds, "store")
             got = cp.asnumpy(y)
             err, tol = np.abs(got - ref), bound
-        elif mode in ("add", "addnorm"):
-            if mode == "addnorm" and N % 32:
-                continue                                         # q8_1 of y needs whole blocks
+        elif mode == "add":
             y0 = rng.standard_normal(N).astype(np.float32)
             y = cp.asarray(y0)
-            if mode == "add":
-                mmvq_launch([dw], [y], xq, xds, "add", rows_per_warp, unroll)
-            else:
-                nw = rng.uniform(0.5, 1.5, N).astype(np.float32)
-                oq = cp.full(N, 127, dtype=cp.int8)
-                ods = cp.full((N // 32, 2), np.nan, dtype=cp.float32)
-                mmvq_launch([dw], [y], xq, xds, "addnorm", rows_per_warp, unroll,
-                            norm=(cp.asarray(nw), np.float32(1e-6), oq, ods, counter))
+            mmvq_launch([dw], [y], xq, xds, "add")
             got = cp.asnumpy(y)
             err = np.abs(got - (y0.astype(np.float64) + ref))
             tol = bound + 2 * U * np.abs(y0 + ref) + 2 * U * np.abs(y0)
-            if mode == "addnorm":
-                _check_addnorm(cp, got, nw, np.float32(1e-6), oq, ods)
-                assert int(cp.asnumpy(counter)[0]) == 0, "addnorm counter not re-armed"
         else:
             w2 = rand_rows(rng, kind, N, K)
             ref2 = _oracle(kind)(w2, q, d, s)[0]
             S2 = abs_terms(kind, w2, q, d, s)
             dw2 = upload_weight(w2, ttype, pad_q6k=pad)
             y = cp.full(N, np.nan, dtype=cp.float32)
-            mmvq_launch([dw, dw2], [y], xq, xds, "swiglu", rows_per_warp, unroll)
+            mmvq_launch([dw, dw2], [y], xq, xds, "swiglu")
             got = cp.asnumpy(y)
             e = np.exp(-np.abs(ref))                               # logistic, stable both ways
             sig = np.where(ref >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
@@ -222,10 +191,9 @@ def test_mmvq(cp, rng, layout, variant, mode):
         bad = ~np.isfinite(got) | (err > tol)
         with np.errstate(divide="ignore", invalid="ignore"):
             worst = max(worst, float(np.nanmax(np.where(tol > 0, err / tol, 0.0))))
-        assert not bad.any(), (f"{layout} R={rows_per_warp} U={unroll} {mode} N={N} K={K}: {int(bad.sum())} "
+        assert not bad.any(), (f"{layout} {mode} N={N} K={K}: {int(bad.sum())} "
                                f"bad, first row {int(np.argmax(bad))}")
-    _report(test="decode_mmvq", layout=layout, rows_per_warp=rows_per_warp, unroll=unroll, mode=mode,
-            shapes=len(shapes), worst_err_over_bound=worst)
+    _report(test="decode_mmvq", layout=layout, mode=mode, shapes=len(shapes), worst_err_over_bound=worst)
 
 
 def test_mmvq_segments(cp, rng):
@@ -240,9 +208,9 @@ def test_mmvq_segments(cp, rng):
     q, d, s = Q.quantize_q8_1(x)
     xq, xds = upload_act(cp, q, d, s)
     ys = [cp.full(n, np.nan, dtype=cp.float32) for n in rows]
-    mmvq_launch([upload_weight(w, "Q4_K") for w in ws], ys, xq, xds, "store", 2)
+    mmvq_launch([upload_weight(w, "Q4_K") for w in ws], ys, xq, xds, "store")
     for w, y in zip(ws, ys):
-        ref = Q.mmq_reference_q4_k(w, q, d, s)[0]
+        ref = RM.mmq_reference_q4_k(w, q, d, s)[0]
         bound = (K / 16 + 8) * U * abs_terms("q4_k", w, q, d, s)
         got = cp.asnumpy(y)
         assert np.isfinite(got).all() and (np.abs(got - ref) <= bound).all()
@@ -250,19 +218,28 @@ def test_mmvq_segments(cp, rng):
 
 # ----------------------------------------------------------------------------- attention
 
-ATT_CONFIGS = [  # (H, KVH, hd, kv dtype, layout)
+def _kv_dtypes():
+    try:
+        from engine.gpu.registry import KV_DTYPES
+    except ImportError:
+        return ("f16",)
+    return KV_DTYPES
+
+
+ATT_CONFIGS = [c for c in ([  # (H, KVH, hd, kv dtype, layout); htd is GPUKVCache's layout
     (32, 32, 128, "f16", "thd"),
     (12, 2, 128, "f16", "thd"),
+    (32, 32, 128, "f16", "htd"),
     (4, 2, 64, "f32", "thd"),
     (12, 2, 128, "f32", "htd"),
-] if not EMU else [(2, 2, 128, "f16", "thd"), (12, 2, 128, "f16", "htd"), (4, 2, 64, "f32", "thd")]
+] if not EMU else [(2, 2, 128, "f16", "thd"), (12, 2, 128, "f16", "htd"), (4, 2, 64, "f32", "thd")])
+    if c[3] in _kv_dtypes()]
 ATT_LENGTHS = [1, 100, 300] if EMU else [1, 100, 3314]
 
 
 @pytest.mark.parametrize("cfg", ATT_CONFIGS, ids=lambda c: f"H{c[0]}-KV{c[1]}-hd{c[2]}-{c[3]}-{c[4]}")
 @pytest.mark.parametrize("L", ATT_LENGTHS)
-@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
-def test_attention_decode(cp, rng, cfg, L, fused):
+def test_attention_decode(cp, rng, cfg, L):
     from engine.gpu.ops.attention import attention_launch
 
     H, KVH, hd, dt, layout = cfg
@@ -297,11 +274,8 @@ def test_attention_decode(cp, rng, cfg, L, fused):
         out = cp.full(H * hd, np.nan, dtype=cp.float32)
         oq = cp.full(H * hd, 127, dtype=cp.int8)
         ods = cp.full((H * hd // 32, 2), np.nan, dtype=cp.float32)
-        counters = cp.zeros(KVH, dtype=cp.uint32) if fused else None
         attention_launch(cp.asarray(q), kd, vd, ts, hs, pos, H, KVH, hd, dt, S, part_o, part_ml, oq, ods,
-                         out=out, counters=counters)
-        if fused:
-            assert (cp.asnumpy(counters) == 0).all(), "combine counters not re-armed"
+                         out=out)
         got = cp.asnumpy(out).reshape(H, hd)
         err = np.abs(got - ref)
         tol = 1e-5 * np.abs(vv).max() + 1e-6
@@ -313,7 +287,7 @@ def test_attention_decode(cp, rng, cfg, L, fused):
         assert (gds[:, 0].view(np.uint32) == rd.reshape(-1).view(np.uint32)).all()
         assert (gds[:, 1].view(np.uint32) == rs.reshape(-1).view(np.uint32)).all()
         _report(test="decode_attention", H=H, KVH=KVH, hd=hd, kv=dt, layout=layout, L=L, splits=S,
-                fused=fused, max_err=float(err.max()), tol=float(tol))
+                max_err=float(err.max()), tol=float(tol))
 
 
 # ----------------------------------------------------------------------------- argmax
@@ -369,9 +343,14 @@ def tiny_qwen2_path(tmp_path_factory):
 
 @pytest.mark.parametrize("ttype", ["Q4_K", "Q6_K_pad", "Q6_K_raw", "F16", "F32"])
 def test_embed_row(cp, rng, ttype):
+    """decode_embed over rows of any of its types (GPUModel itself uploads Q4_K / Q6_K)."""
     from engine.gpu import kernels
-    from engine.gpu.decode import EmbedTable
     from engine.gpu.weights import upload_weight
+
+    class EmbedTable:
+        def __init__(self, data, type_name, cols, block_stride=0):
+            self.data, self.type_name, self.cols, self.block_stride = data, type_name, cols, block_stride
+            self.row_bytes = int(data.shape[1])
 
     V, K = 50, 768
     x = rng.standard_normal((V, K)).astype(np.float32)
@@ -441,8 +420,14 @@ def test_quantize_row_q8(cp, rng):
         assert (gds[:, 1].view(np.uint32) == rs[0].view(np.uint32)).all()
 
 
+QKV_POST_CASES = [("f16", "htd")] + ([("f32", "thd")] if "f32" in _kv_dtypes() else [])
+
+
 @pytest.mark.parametrize("rope", ["normal", "neox"])
-def test_qkv_post(cp, rng, rope):
+@pytest.mark.parametrize("kv,layout", QKV_POST_CASES, ids=lambda v: str(v))
+def test_qkv_post(cp, rng, rope, kv, layout):
+    """bias + RoPE bit-identical to the reference's apply_rope; K and V rounded to the cache
+    type (f16: GPUKVCache's [KVH, T, hd] layout) at position p only."""
     from engine.gpu import kernels
     from engine.formats.config import ModelConfig
     from engine.formats.rope import rope_tables
@@ -455,57 +440,71 @@ def test_qkv_post(cp, rng, rope):
     bias = rng.standard_normal(qd + 2 * kvd).astype(np.float32)
     cos, sin = rope_tables(cfg, np.arange(T))
     p = 29
-    kc = cp.full((T, KVH, hd), np.nan, dtype=cp.float32)
-    vc = cp.full((T, KVH, hd), np.nan, dtype=cp.float32)
+    npdt = np.float16 if kv == "f16" else np.float32
+    shape, ts, hs = ((KVH, T, hd), hd, T * hd) if layout == "htd" else ((T, KVH, hd), KVH * hd, hd)
+    kc = cp.full(shape, np.nan, dtype=npdt)
+    vc = cp.full(shape, np.nan, dtype=npdt)
     qrot = cp.full(qd, np.nan, dtype=cp.float32)
     state = cp.asarray(np.array([0, p, 0, 0], dtype=np.int32))
-    k = kernels.get_kernel("decode_fused.cu", "qkv_post_f32")
+    k = kernels.get_kernel("decode_fused.cu", "qkv_post_" + kv)
     n = (H + KVH) * hd // 2 + kvd
     k((-(-n // 256),), (256,), (cp.asarray(qkv), cp.asarray(bias), cp.asarray(cos), cp.asarray(sin), state,
-                                qrot, kc, vc, np.int64(KVH * hd), np.int64(hd), np.int32(H), np.int32(KVH),
+                                qrot, kc, vc, np.int64(ts), np.int64(hs), np.int32(H), np.int32(KVH),
                                 np.int32(hd), np.int32(rope == "neox")))
     x = qkv + bias
     qr = apply_rope(x[:qd].reshape(1, H, hd), cos[p:p + 1], sin[p:p + 1], rope).reshape(-1)
     kr = apply_rope(x[qd:qd + kvd].reshape(1, KVH, hd), cos[p:p + 1], sin[p:p + 1], rope).reshape(KVH, hd)
+    vr = x[qd + kvd:].reshape(KVH, hd)
     assert (cp.asnumpy(qrot).view(np.uint32) == qr.view(np.uint32)).all()
     kg, vg = cp.asnumpy(kc), cp.asnumpy(vc)
-    assert (kg[p].view(np.uint32) == kr.view(np.uint32)).all()
-    assert (vg[p].reshape(-1).view(np.uint32) == x[qd + kvd:].view(np.uint32)).all()
+    if layout == "htd":                                          # -> [T, KVH, hd]
+        kg, vg = kg.transpose(1, 0, 2), vg.transpose(1, 0, 2)
+    bits = np.uint16 if kv == "f16" else np.uint32
+    assert (kg[p].view(bits) == kr.astype(npdt).view(bits)).all()
+    assert (vg[p].view(bits) == vr.astype(npdt).view(bits)).all()
     others = np.delete(np.arange(T), p)
-    assert np.isnan(kg[others]).all() and np.isnan(vg[others]).all()
+    assert np.isnan(kg[others].astype(np.float32)).all() and np.isnan(vg[others].astype(np.float32)).all()
 
 
 # ----------------------------------------------------------------------------- whole decode
 
-DECODE_VARIANTS = ["default", "R2U0", "R2U0+combine+norm", "R1U4+norm", "R2U2+combine", "R4U2"]
+def _gpu_model(path, **kw):
+    from engine.gpu.model import GPUModel
+
+    return GPUModel.from_path(path, **kw)
 
 
-@pytest.mark.parametrize("which,kv,variant", [("tiny", "f16", "default"), ("tiny", "f32", "default"),
-                                              ("tiny-qwen2", "f16", "default")]
-                         + [("tiny-qwen2", "f16", v) for v in DECODE_VARIANTS[1:]])
-def test_decode_logits_match_reference(cp, rng, which, kv, variant, tiny_path, tiny_qwen2_path):
-    from engine.gpu.decode import DecodeModel, parse_variant
+def _step_logits(model, ids, use_graph=True):
+    """Every id through decode steps of a fresh (unpooled) session: logits [n, vocab]."""
+    from engine.gpu.session import GPUSession
+
+    s = GPUSession(model, len(ids), use_graph=use_graph)
+    rows = []
+    for t in ids:
+        s.step(t)
+        rows.append(s.logits())
+    assert s.length == len(ids)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny-qwen2"])
+def test_decode_logits_match_reference(cp, rng, which, tiny_path, tiny_qwen2_path):
     from engine.reference.model import ReferenceModel
 
     path = tiny_path if which == "tiny" else tiny_qwen2_path
-    kw = {} if variant == "default" else parse_variant(variant)
     ref = ReferenceModel.from_path(path)
     n = 6 if EMU else 40
     ids = rng.integers(0, ref.config.vocab_size - 3, n).tolist()
     want = ref.forward(ids, ref.new_cache(n), all_logits=True)
-    got_by_mode = {}
-    for graph in (True, False):
-        m = DecodeModel.from_path(path, kv_dtype=kv, use_graph=graph, **kw)
-        cache = m.new_cache(n)
-        got_by_mode[graph] = m.forward(ids, cache, all_logits=True)
-        assert cache.length == n
-    got = got_by_mode[True]
-    assert np.array_equal(got.view(np.uint32), got_by_mode[False].view(np.uint32)), "graph != eager"
+    model = _gpu_model(path)
+    got = _step_logits(model, ids, use_graph=True)
+    eager = _step_logits(model, ids, use_graph=False)
+    assert np.array_equal(got.view(np.uint32), eager.view(np.uint32)), "graph != eager"
     rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     srt = np.sort(want, axis=-1)
     margin = srt[:, -1] - srt[:, -2]
     agree = np.argmax(got, -1) == np.argmax(want, -1)
-    _report(test="decode_logits", model=which, kv=kv, variant=variant, steps=n, max_rel_l2=float(rel.max()),
+    _report(test="decode_logits", model=which, kv="f16", steps=n, max_rel_l2=float(rel.max()),
             argmax_agree=int(agree.sum()), confident=int((margin >= MIN_MARGIN).sum()))
     assert np.isfinite(got).all()
     assert rel.max() <= 3e-2, rel
@@ -528,26 +527,21 @@ def _eog(path):
 
 
 def _teacher_forced_decode(model, case, min_margin):
-    """Feed prompt then each golden token through single-token steps; compare the argmax at
-    every step whose golden margin is >= min_margin."""
-    cache = model.new_cache(len(case["prompt_ids"]) + len(case["tokens"]) + 1)
-    logits = model.forward(case["prompt_ids"], cache)
+    """Prompt by prefill, then each golden token through a decode step of a pooled session;
+    compare the argmax at every step whose golden margin is >= min_margin."""
     compared = matched = 0
-    for i, (tok, m) in enumerate(zip(case["tokens"], case["margin"])):
-        if m >= min_margin:
-            compared += 1
-            matched += int(np.argmax(logits)) == tok
-        if i + 1 < len(case["tokens"]):
-            logits = model.forward([tok], cache)
+    with model.session(len(case["prompt_ids"]) + len(case["tokens"]) + 1) as s:
+        s.prefill(case["prompt_ids"])
+        for i, (tok, m) in enumerate(zip(case["tokens"], case["margin"])):
+            if m >= min_margin:
+                compared += 1
+                matched += int(np.argmax(s.logits())) == tok
+            if i + 1 < len(case["tokens"]):
+                s.step(tok)
     return compared, matched
 
 
-@pytest.mark.parametrize("variant", ["default", "R2U2+combine+norm"])
-@pytest.mark.parametrize("which", ["tiny", "slice"])
-def test_greedy32_goldens_on_gpu(cp, which, variant, tiny_path):
-    from engine.tools import greedy32
-    from engine.gpu.decode import DecodeModel, parse_variant
-
+def _goldens_model(which, tiny_path):
     cases = _golden_cases(which)
     if which == "slice":
         if not SLICE.exists():
@@ -557,42 +551,18 @@ def test_greedy32_goldens_on_gpu(cp, which, variant, tiny_path):
         path = tiny_path
     if EMU:
         cases = [c for c in cases if len(c["prompt_ids"]) < 200]
-    model = DecodeModel.from_path(path, **({} if variant == "default" else parse_variant(variant)))
-    eog = _eog(path)
-    rows = greedy32.run(model, cases, eog, min_margin=MIN_MARGIN)
-    print(greedy32.format_rows(rows))
-    tf = [_teacher_forced_decode(model, c, MIN_MARGIN) for c in cases]
-    for c, r, (comp, mat) in zip(cases, rows, tf):
-        _report(test="decode_greedy32", model=which, variant=variant, prompt_len=len(c["prompt_ids"]),
-                compared=r.compared,
-                matched=r.matched, ok=r.ok, teacher_compared=comp, teacher_matched=mat,
-                golden_tokens=len(c["tokens"]))
-    assert all(r.ok for r in rows), greedy32.format_rows(rows)
-    assert all(comp == mat for comp, mat in tf), tf
-    # the device-chained greedy loop (argmax on the GPU, ids only) gives the same tokens
-    for c, r in zip(cases, rows):
-        if r.compared and len(c["tokens"]) == 32:
-            got = model.greedy(c["prompt_ids"], r.compared)
-            assert got == c["tokens"][:r.compared]
+    return cases, path
 
 
 @pytest.mark.parametrize("which", ["tiny", "slice"])
-def test_gpu_model_prefill_then_decode_graph(cp, which, tiny_path):
-    """GPUModel (engine.gpu.model): the prompt by its prefill kernels, every single-token step
-    by the decode graph over its KV cache (layout [L, KVH, T, hd]); same goldens and rule."""
+def test_greedy32_goldens_on_gpu(cp, which, tiny_path):
+    """GPUModel: the prompt by its prefill kernels, every generated token by a pooled session's
+    decode graph (only ids come back); teacher-forced through decode steps; and the
+    device-chained loop (DecodeStep.chain) gives the same ids."""
     from engine.tools import greedy32
 
-    gm = pytest.importorskip("engine.gpu.model")
-    cases = _golden_cases(which)
-    if which == "slice":
-        if not SLICE.exists():
-            pytest.skip(f"{SLICE} missing")
-        path = str(SLICE)
-    else:
-        path = tiny_path
-    if EMU:
-        cases = [c for c in cases if len(c["prompt_ids"]) < 200]
-    model = gm.GPUModel.from_path(path)
+    cases, path = _goldens_model(which, tiny_path)
+    model = _gpu_model(path)
     eog = _eog(path)
     rows = greedy32.run(model, cases, eog, min_margin=MIN_MARGIN)
     print(greedy32.format_rows(rows))
@@ -603,3 +573,101 @@ def test_gpu_model_prefill_then_decode_graph(cp, which, tiny_path):
                 golden_tokens=len(c["tokens"]))
     assert all(r.ok for r in rows), greedy32.format_rows(rows)
     assert all(comp == mat for comp, mat in tf), tf
+    for c, r in zip(cases, rows):
+        if r.compared and len(c["tokens"]) == 32 and len(c["prompt_ids"]) > 1:
+            with model.session(len(c["prompt_ids"]) + r.compared) as s:
+                s.prefill(c["prompt_ids"][:-1])
+                got = s.decode.chain(c["prompt_ids"][-1], s.length, r.compared)
+            assert [int(t) for t in got] == c["tokens"][:r.compared]
+
+
+# ----------------------------------------------------------------------------- sessions
+
+def test_session_pool_reuses_graph(cp, rng, tiny_qwen2_path):
+    """Two requests of one size bucket share a session: same object, one capture, same tokens
+    (the second request after a different prompt: stale cache rows past the length are never
+    read)."""
+    from engine.generate import generate
+
+    model = _gpu_model(tiny_qwen2_path)
+    V = model.config.vocab_size
+    p1 = rng.integers(0, V, 9).tolist()
+    p2 = rng.integers(0, V, 13).tolist()
+    n = 4 if EMU else 12
+    a = generate(model, p1, n)
+    (s,) = model._sessions.idle()
+    graph = s.decode.graph
+    assert graph is not None and s.length == 0
+    generate(model, p2, n)
+    b = generate(model, p1, n)
+    assert model._sessions.idle() == [s] and s.decode.graph is graph and model._sessions.created == 1
+    assert a.tokens == b.tokens and len(a.tokens) == n
+    assert all(np.isnan(m) for m in a.margins)                   # greedy: ids (and top logit) only
+    with model.session(300) as other:                            # another size bucket
+        assert other is not s and other.capacity == 512 and model._sessions.created == 2
+    assert set(model._sessions.idle()) == {s, other}
+
+
+def test_greedy_never_copies_logits(cp, rng, tiny_path, monkeypatch):
+    from engine.generate import generate
+    from engine.gpu import decode
+
+    model = _gpu_model(tiny_path)
+    ids = rng.integers(0, model.config.vocab_size, 7).tolist()
+    n = 4 if EMU else 16
+    want = generate(model, ids, n, need_logits=True)
+
+    def no_copy(self, logits=None):
+        raise AssertionError("greedy decode copied the logits to the host")
+
+    monkeypatch.setattr(decode.DecodeStep, "logits_host", no_copy)
+    got = generate(model, ids, n)
+    assert got.tokens == want.tokens
+    assert np.allclose(got.top_logits, want.top_logits, rtol=0, atol=0)
+    assert all(m >= 0 for m in want.margins)
+
+
+def test_sampler_off_argmax_and_logits(cp, rng, tiny_path):
+    """A sampler that picks the runner-up: every step's logits (need_logits) are bit-identical to
+    prefill + stepping the same ids by hand, so the host-chosen token reached the graph."""
+    from engine.generate import generate_steps
+
+    model = _gpu_model(tiny_path)
+    ids = rng.integers(0, model.config.vocab_size, 5).tolist()
+    n = 3 if EMU else 10
+    steps = list(generate_steps(model, ids, n, sampler=lambda l: int(np.argsort(l, kind="stable")[-2]),
+                                need_logits=True))
+    assert len(steps) == n
+    with model.session(len(ids) + n) as s:
+        s.prefill(ids)
+        for st in steps:
+            want = s.logits()
+            assert np.array_equal(st.logits.view(np.uint32), want.view(np.uint32))
+            assert st.token == int(np.argsort(want, kind="stable")[-2]) and st.margin <= 0
+            s.step(st.token)
+
+
+def test_session_steps_match_prefill(cp, rng, tiny_qwen2_path):
+    """Prefill of a prompt then decode steps give the same argmax as the teacher-forced
+    prefill's rows wherever that row's margin is >= MIN_MARGIN, and stay within the step bound."""
+    model = _gpu_model(tiny_qwen2_path)
+    V = model.config.vocab_size
+    ids = rng.integers(0, V, 12 if EMU else 48).tolist()
+    cut = len(ids) // 2
+    tf = model.forward(ids, model.new_cache(len(ids)), all_logits=True)
+    rows = []
+    with model.session(len(ids)) as s:
+        s.prefill(ids[:cut])
+        rows.append(s.logits())
+        for t in ids[cut:-1]:
+            s.step(t)
+            rows.append(s.logits())
+        tok, top, _ = s.argmax()
+        assert tok == int(np.argmax(rows[-1])) and top == float(rows[-1][tok])
+    got = np.stack(rows)
+    want = tf[cut - 1:-1]
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    srt = np.sort(want, axis=-1)
+    margin = srt[:, -1] - srt[:, -2]
+    assert rel.max() <= 3e-2, rel
+    assert (np.argmax(got, -1) == np.argmax(want, -1))[margin >= MIN_MARGIN].all()

@@ -1,7 +1,7 @@
 """GPU: q8_1 quantization, the q6_K closed-form expansion, and the q4_K / q6_K MMQ GEMMs
 against the numpy oracle (engine.formats.quants), on fresh random inputs with poisoned outputs.
 
-Error bound for the GEMMs (stated, asserted per element; engine.tools.gemm_bench.error_bound):
+Error bound for the GEMMs (stated, asserted per element; engine.reference.mmq.error_bound):
     |y - ref| <= (K/16 + 4) * 2^-24 * S  (+ 40 * 2^-24 * S_min for the "tc" q4_K variants)
     S = sum over the scaled terms of their magnitudes:
     q4_K: S = sum_g |d sc| |d8| sum_l q4 |q8| + |dmin m| |s8|  (S_min = the |dmin m| |s8| part)
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from engine.formats import quants as Q
-from engine.tools.gemm_bench import abs_terms
+from engine.reference.mmq import abs_terms, error_bound, mmq_reference, random_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,6 @@ def rng():
 
 def rand_rows(rng, kind, n_rows, K):
     """Random valid blocks: random bytes, f16 scale fields finite (incl. negative/zero/tiny)."""
-    from engine.tools.gemm_bench import random_blocks
     return random_blocks(rng, kind, n_rows, K, special=True)
 
 
@@ -142,9 +141,8 @@ def _run_mmq(cp, w_dev, act, T, N, variant):
 
 def _check_gemm(kind, variant, T, N, K, y, ref, SS, label):
     from engine.gpu import kernels
-    from engine.tools.gemm_bench import error_bound
     S, S_min = SS
-    bound = error_bound(kind, variant, K, S, S_min)
+    bound = error_bound(kind, K, S, S_min, kernels.mmq_uses_tc(kind, variant))
     err = np.abs(y.astype(np.float64) - ref)
     finite = np.isfinite(y)
     bad = ~finite | (err > bound)
@@ -173,7 +171,7 @@ def test_mmq_q4_k(cp, rng, variant, T, N, K):
     assert np.array_equal(cp.asnumpy(act.q), q)
     wd = upload_weight(w, "Q4_K")
     y = _run_mmq(cp, wd, act, T, N, variant)
-    ref = Q.mmq_reference_q4_k(w, q, d, s)
+    ref = mmq_reference("q4_k", w, q, d, s)
     _check_gemm("q4_k", variant, T, N, K, y, ref, abs_terms("q4_k", w, q, d, s), "raw")
 
 
@@ -196,7 +194,7 @@ def test_mmq_q6_k_raw_and_padded(cp, rng, variant, T, N, K):
     ident = int((y_raw.view(np.uint32) != y_pad.view(np.uint32)).sum())
     _report(test="q6k_raw_vs_padded", variant=variant, T=T, N=N, K=K, elements=int(y_raw.size),
             bit_mismatches=ident)
-    ref = Q.mmq_reference_q6_k(w, q, d, s)
+    ref = mmq_reference("q6_k", w, q, d, s)
     S = abs_terms("q6_k", w, q, d, s)
     _check_gemm("q6_k", variant, T, N, K, y_raw, ref, S, "raw")
     _check_gemm("q6_k", variant, T, N, K, y_pad, ref, S, "padded")
@@ -237,7 +235,7 @@ def test_mmq_split(cp, rng, kind, variant, T, N, K, plan):
     layouts = [("raw", upload_weight(w, kind.upper(), pad_q6k=False))]
     if kind == "q6_k":
         layouts.append(("padded", upload_weight(w, "Q6_K", pad_q6k=True)))
-    ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
+    ref = mmq_reference(kind, w, q, d, s)
     S = abs_terms(kind, w, q, d, s)
     ys = []
     for label, wd in layouts:
@@ -272,7 +270,7 @@ def test_mmq_split_auto(cp, rng, kind):
     act = gpu_ops.quantize_q8_1(cp.asarray(x))
     y1 = _mmq_y(cp, wd, act, T, N, variant, None)
     y2 = _mmq_y(cp, wd, act, T, N, variant, None)
-    ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
+    ref = mmq_reference(kind, w, q, d, s)
     _check_gemm(kind, variant, T, N, K, y1, ref, abs_terms(kind, w, q, d, s),
                 "padded" if kind == "q6_k" else "raw")
     assert np.array_equal(y1.view(np.uint32), y2.view(np.uint32))
@@ -304,7 +302,7 @@ def test_default_variant_dispatch(cp, rng, kind, T):
     wd = upload_weight(w, kind.upper())
     y = cp.full((T, N), np.nan, dtype=cp.float32)
     gpu_ops.mmq(wd, gpu_ops.quantize_q8_1(cp.asarray(x)), out=y)
-    ref = (Q.mmq_reference_q4_k if kind == "q4_k" else Q.mmq_reference_q6_k)(w, q, d, s)
+    ref = mmq_reference(kind, w, q, d, s)
     variant = gpu_ops.choose_variant(kind, T, N)
     _check_gemm(kind, variant, T, N, K, cp.asnumpy(y), ref, abs_terms(kind, w, q, d, s),
                 "padded" if kind == "q6_k" else "raw")

@@ -22,6 +22,16 @@ def _require_nvrtc():
         pytest.skip(f"NVRTC not available: {e}")
 
 
+def test_instance_count(capsys):
+    """The registry lists only production instances; print how many compile, per file."""
+    with capsys.disabled():
+        print()
+        print("  " + kernels.count_line())
+    counts = kernels.instance_count()
+    assert set(counts) == set(kernels.kernel_files()), "every kernel file has its instances in the registry"
+    assert sum(counts.values()) == 60, counts
+
+
 def test_kernel_files_found():
     assert "mmq_q4_k.cu" in kernels.kernel_files()
     for f in ("quantize_q8_1.cu", "mmq_q4_k.cu", "mmq_q6_k.cu", "q6k_expand_check.cu"):

@@ -11,9 +11,10 @@ from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.formats import quants as Qm
+from engine.reference.mmq import mmq_reference_q4_k, mmq_reference_q6_k
 from engine.formats.quants import (
     Q4_K_BYTES, Q6_K_BYTES, Q6_K_PADDED_BYTES, QK_K, QK8_1,
-    dequantize_q4_k, dequantize_q6_k, dequantize_q8_1, mmq_reference_q4_k, mmq_reference_q6_k,
+    dequantize_q4_k, dequantize_q6_k, dequantize_q8_1, 
     quantize_q4_k, quantize_q6_k, quantize_q8_1, repack_q6_k_padded, unpack_q6_k_padded,
 )
 

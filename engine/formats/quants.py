@@ -53,7 +53,6 @@ __all__ = [
     "dequantize_q4_k", "dequantize_q6_k", "quantize_q4_k", "quantize_q6_k",
     "repack_q6_k_padded", "unpack_q6_k_padded", "quantize_q8_1", "dequantize_q8_1",
     "q4_k_fields", "q6_k_fields",
-    "mmq_reference_q4_k", "mmq_reference_q6_k",
 ]
 
 
@@ -314,72 +313,3 @@ def dequantize_q8_1(q: np.ndarray, d: np.ndarray) -> np.ndarray:
     """(q int8 [T, K], d [T, K/32]) -> float32 [T, K] = q * d."""
     T, K = q.shape
     return (q.reshape(T, K // QK8_1, QK8_1).astype(np.float32) * d[..., None]).reshape(T, K)
-
-
-# ----------------------------------------------------------------------------- reference GEMMs
-
-def _check_act(q, d, s, K):
-    q = np.asarray(q)
-    T = q.shape[0]
-    if q.shape != (T, K):
-        raise ValueError(f"activation q shape {q.shape} does not match K={K}")
-    d = np.asarray(d, dtype=np.float64).reshape(T, K // QK8_1)
-    s = np.asarray(s, dtype=np.float64).reshape(T, K // QK8_1)
-    return q, d, s, T
-
-
-def mmq_reference_q4_k(w_rows: np.ndarray, q: np.ndarray, d: np.ndarray, s: np.ndarray,
-                       chunk: int = 8) -> np.ndarray:
-    """Exact integer-dot q4_K x q8_1 GEMM (the kernel oracle), float64 [T, N].
-
-    y[t, n] = sum over 32-element sub-blocks g (super-block b = g // 8, j = g % 8) of
-        (d_w[n,b] * sc[n,g]) * d8[t,g] * sum_l(q4[n,g,l] * q8[t,g,l])  -  (dmin_w[n,b] * m[n,g]) * s8[t,g]
-    The integer sums are exact (computed as float32 matmuls of small integers: |sum| <=
-    15*127*32 < 2^24); the scale products and accumulation are float64.
-    """
-    w_rows = np.asarray(w_rows)
-    N = w_rows.shape[0]
-    nb = w_rows.shape[1] // Q4_K_BYTES
-    K = nb * QK_K
-    q, d8, s8, T = _check_act(q, d, s, K)
-    dw, dminw, sc, m, q4 = q4_k_fields(w_rows.reshape(N * nb, Q4_K_BYTES))
-    G = K // 32
-    A = (dw.astype(np.float64)[:, None] * sc).reshape(N, G)           # d_w * sc_j   [N, G]
-    M = (dminw.astype(np.float64)[:, None] * m).reshape(N, G)         # dmin_w * m_j [N, G]
-    y = -(s8 @ M.T)                                                    # [T, N]
-    wq = q4.reshape(N, G, 32).transpose(1, 2, 0).astype(np.float32)   # [G, 32, N]
-    aq = q.reshape(T, G, 32).transpose(1, 0, 2).astype(np.float32)    # [G, T, 32]
-    for g0 in range(0, G, chunk):
-        g1 = min(G, g0 + chunk)
-        dots = np.matmul(aq[g0:g1], wq[g0:g1])                         # [c, T, N] exact ints
-        for i, g in enumerate(range(g0, g1)):
-            y += (d8[:, g:g + 1] * A[None, :, g]) * dots[i]
-    return y
-
-
-def mmq_reference_q6_k(w_rows: np.ndarray, q: np.ndarray, d: np.ndarray, s: np.ndarray,
-                       padded: bool = False, chunk: int = 16) -> np.ndarray:
-    """Exact integer-dot q6_K x q8_1 GEMM (the kernel oracle), float64 [T, N].
-
-    y[t, n] = sum over 16-element sub-blocks j (q8_1 block g = j // 2 covers two of them) of
-        (d_w[n, j // 16] * sc[n, j]) * d8[t, g] * sum_l((q6[n,j,l] - 32) * q8[t,j,l])
-    (s is accepted for a uniform signature; q6_K has no min term).
-    """
-    w_rows = np.asarray(w_rows)
-    N = w_rows.shape[0]
-    bb = Q6_K_PADDED_BYTES if padded else Q6_K_BYTES
-    nb = w_rows.shape[1] // bb
-    K = nb * QK_K
-    q, d8, _s8, T = _check_act(q, d, s, K)
-    dw, sc, q6 = q6_k_fields(w_rows.reshape(N * nb, bb), padded=padded)
-    J = K // 16
-    A = (dw.astype(np.float64)[:, None] * sc).reshape(N, J)           # [N, J]
-    wq = q6.reshape(N, J, 16).transpose(1, 2, 0).astype(np.float32)   # [J, 16, N]
-    aq = q.reshape(T, J, 16).transpose(1, 0, 2).astype(np.float32)    # [J, T, 16]
-    y = np.zeros((T, N), dtype=np.float64)
-    for j0 in range(0, J, chunk):
-        j1 = min(J, j0 + chunk)
-        dots = np.matmul(aq[j0:j1], wq[j0:j1])                         # [c, T, N]
-        for i, j in enumerate(range(j0, j1)):
-            y += (d8[:, j // 2:j // 2 + 1] * A[None, :, j]) * dots[i]
-    return y

@@ -15,75 +15,76 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.formats.quants import Q4_K_BYTES, Q6_K_BYTES, Q6_K_PADDED_BYTES, QK_K
+from engine.formats.qtypes import MATRIX_TYPES, QTYPES, Q4_K, Q6_K, QuantType, qtype
 
-GGML_Q4_K = 12
-GGML_Q6_K = 14
-_TYPE_IDS = {"Q4_K": GGML_Q4_K, "Q6_K": GGML_Q6_K}
-_TYPE_NAMES = {v: k for k, v in _TYPE_IDS.items()}
+GGML_Q4_K = Q4_K.ggml_id
+GGML_Q6_K = Q6_K.ggml_id
+_GPU_TYPES = ", ".join(f"{t.name}={t.ggml_id}" for t in MATRIX_TYPES)
 
 
 @dataclass
 class DeviceWeight:
-    ggml_type: int          # GGML_Q4_K or GGML_Q6_K
+    ggml_type: int          # a ggml id of engine.formats.qtypes.MATRIX_TYPES (Q4_K, Q6_K)
     rows: int               # N (output features)
     cols: int               # K (input features), multiple of 256
     data: object            # cupy.ndarray uint8 [rows, (cols/256) * block_stride]
-    padded: bool = False    # q6_K only: 224-byte blocks
+    padded: bool = False    # padded layout (q6_K: 224-byte blocks)
+
+    @property
+    def qtype(self) -> QuantType:
+        return QTYPES[self.ggml_type]
 
     @property
     def type_name(self) -> str:
-        return _TYPE_NAMES[self.ggml_type]
+        return self.qtype.name
 
     @property
     def kind(self) -> str:
         """Kernel family: 'q4_k' or 'q6_k'."""
-        return self.type_name.lower()
+        return self.qtype.kind
 
     @property
     def block_stride(self) -> int:
-        if self.ggml_type == GGML_Q4_K:
-            return Q4_K_BYTES
-        return Q6_K_PADDED_BYTES if self.padded else Q6_K_BYTES
+        return self.qtype.device_stride(self.padded)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
 
-def _type_id(ggml_type) -> int:
-    if isinstance(ggml_type, str):
-        key = ggml_type.upper()
-        if key not in _TYPE_IDS:
-            raise ValueError(f"unsupported weight type {ggml_type!r} (MMQ handles Q4_K, Q6_K)")
-        return _TYPE_IDS[key]
-    t = int(ggml_type)
-    if t not in _TYPE_NAMES:
-        raise ValueError(f"unsupported ggml type id {t} (MMQ handles Q4_K=12, Q6_K=14)")
+def _matrix_type(ggml_type) -> QuantType:
+    try:
+        t = qtype(ggml_type)
+    except ValueError as e:
+        raise ValueError(f"{e} (the GPU kernels handle {_GPU_TYPES})") from None
+    if t.kind is None:
+        raise ValueError(f"unsupported weight type {t.name} (the GPU kernels handle {_GPU_TYPES})")
     return t
 
 
 def upload_weight(blocks, ggml_type, pad_q6k: bool = True) -> DeviceWeight:
     """numpy uint8 [rows, row_bytes] (GGUF rows of blocks; a TensorInfo.data memmap works) ->
-    DeviceWeight on the current device. `ggml_type`: 12 / 14 or 'Q4_K' / 'Q6_K'."""
+    DeviceWeight on the current device. `ggml_type`: a ggml id (12 / 14) or name ('Q4_K' / 'Q6_K').
+    Types with a padded layout (q6_K) are padded on the device unless pad_q6k=False."""
     import cupy as cp
 
-    t = _type_id(ggml_type)
+    t = _matrix_type(ggml_type)
     b = np.asarray(blocks)
     if b.dtype != np.uint8 or b.ndim != 2:
         raise ValueError(f"expected uint8 [rows, row_bytes], got {b.dtype} {b.shape}")
-    raw_bs = Q4_K_BYTES if t == GGML_Q4_K else Q6_K_BYTES
+    raw_bs = t.block_bytes
     rows, row_bytes = b.shape
     if row_bytes % raw_bs:
-        raise ValueError(f"row of {row_bytes} bytes is not whole {_TYPE_NAMES[t]} blocks")
+        raise ValueError(f"row of {row_bytes} bytes is not whole {t.name} blocks")
     nb = row_bytes // raw_bs
     raw = cp.asarray(np.ascontiguousarray(b))
-    if t == GGML_Q6_K and pad_q6k:
-        data = cp.zeros((rows, nb * Q6_K_PADDED_BYTES), dtype=cp.uint8)
-        data.reshape(rows * nb, Q6_K_PADDED_BYTES)[:, :Q6_K_BYTES] = raw.reshape(rows * nb, Q6_K_BYTES)
+    if t.padded_bytes != t.block_bytes and pad_q6k:
+        pb = t.padded_bytes
+        data = cp.zeros((rows, nb * pb), dtype=cp.uint8)
+        data.reshape(rows * nb, pb)[:, :raw_bs] = raw.reshape(rows * nb, raw_bs)
         del raw
-        return DeviceWeight(t, rows, nb * QK_K, data, padded=True)
-    return DeviceWeight(t, rows, nb * QK_K, raw, padded=False)
+        return DeviceWeight(t.ggml_id, rows, nb * t.block_elems, data, padded=True)
+    return DeviceWeight(t.ggml_id, rows, nb * t.block_elems, raw, padded=False)
 
 
 def upload_tensor(info, pad_q6k: bool = True) -> DeviceWeight:

@@ -279,6 +279,7 @@ def _fb_mmq(kind):
     """MMQ GEMMs (template kernels with tensor-core PTX) through the numpy oracle."""
     def run(grid, block, args):
         from engine.formats import quants as Q
+        from engine.reference.mmq import mmq_reference
 
         w, aq, ads, y, T, N, K = args[:7]
         T, N, K = int(T), int(N), int(K)
@@ -287,10 +288,7 @@ def _fb_mmq(kind):
         wr = np.asarray(w).reshape(-1)[: N * nb * bs].reshape(N, nb * bs)
         q = np.asarray(aq).reshape(-1)[: T * K].reshape(T, K)
         ds = np.asarray(ads).reshape(-1)[: T * K // 16].reshape(T, K // 32, 2)
-        if kind == "q4_k":
-            r = Q.mmq_reference_q4_k(wr, q, ds[..., 0], ds[..., 1])
-        else:
-            r = Q.mmq_reference_q6_k(wr, q, ds[..., 0], ds[..., 1], padded=bs == Q.Q6_K_PADDED_BYTES)
+        r = mmq_reference(kind, wr, q, ds[..., 0], ds[..., 1], padded=bs == Q.Q6_K_PADDED_BYTES)
         np.asarray(y).reshape(-1)[: T * N] = r.astype(np.float32).reshape(-1)
     return run
 

@@ -15,11 +15,10 @@ def embed(table, ids, x) -> None:
     contig(x, np.float32, (n, K), "embed x")
     if n == 0:
         return
-    if table.kind == "q4_k":
-        k = kernels.get_kernel("embed.cu", "embed_q4_k")
-        k((K // 256, n), (256,), (table.data, ids, x, np.int32(K)))
-    elif table.kind == "q6_k":
-        k = kernels.get_kernel("embed.cu", "embed_q6_k")
-        k((K // 256, n), (256,), (table.data, ids, x, np.int32(K), np.int32(table.block_stride)))
-    else:  # pragma: no cover - DeviceWeight holds only these
-        raise ValueError(f"embed: unsupported table type {table.kind}")
+    if table.kind not in ("q4_k", "q6_k"):  # pragma: no cover - DeviceWeight holds only these
+        raise ValueError(f"embed: unsupported table type {table.type_name}")
+    k = kernels.get_kernel("embed.cu", f"embed_{table.kind}")
+    args = (table.data, ids, x, np.int32(K))
+    if table.qtype.padded_bytes != table.qtype.block_bytes:    # two layouts (q6_K): the kernel takes the stride
+        args += (np.int32(table.block_stride),)
+    k((K // 256, n), (256,), args)

@@ -16,11 +16,12 @@ import numpy as np
 from engine.gpu import kernels
 from engine.gpu.ops._util import check_dev
 from engine.gpu.ops.q8 import Q8Act, quantize_q8_1
-from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
+from engine.gpu.weights import DeviceWeight
 
 # The production tile choice (which config when, tail split or not) is registry data, next to the
 # instance list it decides; see engine.gpu.registry for the measurements behind it.
 from engine.gpu.registry import DEFAULT_SPLIT, DEFAULT_VARIANT, SMALL_VARIANT  # noqa: E402,F401
+
 SPLIT_MAX_PARTS = 4
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_BUFFERS: dict[int, tuple] = {}
@@ -128,14 +129,14 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
     if T == 0 or N == 0:
         return out
     kind = weight.kind
-    if weight.ggml_type not in (GGML_Q4_K, GGML_Q6_K):
-        raise ValueError(f"mmq: unsupported weight type {weight.ggml_type}")
+    if kind not in kernels.MMQ_CONFIGS:
+        raise ValueError(f"mmq: no GEMM kernel for weight type {weight.type_name}")
     variant = variant or choose_variant(kind, T, N)
     bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
     g = mmq_grid(kind, variant, T, N, K, split=split)
     args = [weight.data, act.q, act.ds, out, np.int32(T), np.int32(N), np.int32(K)]
-    if kind == "q6_k":
+    if weight.qtype.padded_bytes != weight.qtype.block_bytes:    # two layouts (q6_K): the kernel takes the stride
         args.append(np.int32(weight.block_stride))
     args += [np.int32(g.split0), np.int32(g.parts)]
     if g.split0:                    # whole tiles [0, split0), 2-D grid (common.cuh mmq_work)
