@@ -7,7 +7,7 @@ instance that agree ran the very same machine code: a refactor of the kernel sou
 moved, an unused arm removed, a kernel renamed) that keeps every production hash is bit-identical
 and cannot move performance.
 
-    python -m dev.kernel_identity dump OUT.json [--root TREE] [--only FILE:NAME,...]
+    python -m dev.kernel_identity dump OUT.json [--root TREE] [--only "FILE:NAME;..."]
     python -m dev.kernel_identity compare OLD.json NEW.json [--map OLDNAME=NEWNAME,...]
 
 --root: another checkout (e.g. `git archive <commit> engine kernels_cu | tar -x -C /tmp/old`),
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     d = sub.add_parser("dump")
     d.add_argument("out")
     d.add_argument("--root")
-    d.add_argument("--only", default="")
+    d.add_argument("--only", default="", help="FILE:NAME;FILE:NAME;... (names may contain commas)")
     c = sub.add_parser("compare")
     c.add_argument("old")
     c.add_argument("new")
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             sys.path.insert(0, a.root)
             for m in [m for m in sys.modules if m == "engine" or m.startswith(("engine.", "kernels_cu"))]:
                 del sys.modules[m]
-        only = {tuple(x.split(":", 1)) for x in a.only.split(",") if x} or None
+        only = {tuple(x.split(":", 1)) for x in a.only.split(";") if x} or None
         with open(a.out, "w") as f:
             json.dump(dump(only), f, indent=1, sort_keys=True)
         return 0

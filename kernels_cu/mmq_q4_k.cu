@@ -14,8 +14,8 @@
 //   u   = fma(D, dsc, -M*dsc)   = round(dot * dsc)   (exact operands: dsc = d*sc has <= 17
 //                                                      significant bits, M*dsc <= 19)
 //   acc = fma(u, d8, acc)
-// and the min term, either per block (TCMIN = 0): acc = fma(-dmin*m, s8, acc), or per stage
-// on the tensor cores (TCMIN = 1): Z[t,n] = sum over the stage's blocks of s8[t,c] m[n,c] by
+// and the min term per stage on the tensor cores (TCMIN = 1, the only arm left; the per-block
+// FFMA arm TCMIN = 0 was retired, dev/RETIRED.md): Z[t,n] = sum over the stage's blocks of s8[t,c] m[n,c] by
 // TF32 MMAs (s8 split into hi + lo TF32 parts, m exact), then acc = fma(-dmin, Z, acc).
 //
 // Tiles and staging (MmqShape in common.cuh), per stage of KS = 128 or 256 k, 2 buffers:
@@ -23,8 +23,8 @@
 //   sB  [BN][KS/2]  the stage's raw qs bytes, cp.async; 16-byte chunk ch of row r at
 //                   ch ^ swz(r) (conflict-free ldmatrix); one ldmatrix word serves two
 //                   sub-blocks: low nibbles (& 0x0F0F0F0F) for 2c, high nibbles (>> 4) for 2c+1;
-//   sTab  [NC][BN] float d*sc (-M d sc is formed in registers), [NC][BN] float -dmin*m
-//                  (TCMIN: m), [BN] float -dmin; written from the 16-byte block header, which
+//   sTab  [NC][BN] float d*sc (-M d sc is formed in registers), [NC][BN] float m,
+//                  [BN] float -dmin; written from the 16-byte block header, which
 //                  is prefetched into registers one stage ahead.
 // One __syncthreads per stage. Ragged T / N: zero-filled tiles (cp.async src-size 0) and
 // guarded stores.
@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K,
          int split0, int parts, float* __restrict__ Wsp, u32* __restrict__ Cnt) {
+    static_assert(TCMIN == 1, "the per-block min term (TCMIN = 0) was retired: dev/RETIRED.md");
     using S = MmqShape<MT, NT, WM, WN, KS>;
     using L = Q4KLayout<MT, NT, WM, WN, KS>;
     constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN, NC = S::NC, RB = L::RB;
@@ -128,7 +129,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                 const uint4 q = hdr[i];
                 const float d = f16_to_f32((u16)(q.x & 0xFFFF));
                 const float dmin = f16_to_f32((u16)(q.x >> 16));
-                if (TCMIN && part == 0) tabm[NC * BN + row] = -dmin;
+                if (part == 0) tabm[NC * BN + row] = -dmin;
 #pragma unroll
                 for (int cc = 0; cc < CPU; ++cc) {
                     const int c = part * CPU + cc;                // block within the stage
@@ -139,7 +140,7 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     if (j < 4) { sc = b0 & 63; m = b1 & 63; }
                     else       { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
                     tab[c * BN + row] = d * (float)sc;
-                    tabm[c * BN + row] = TCMIN ? (float)m : -(dmin * (float)m);
+                    tabm[c * BN + row] = (float)m;
                 }
             }
         }
@@ -190,7 +191,6 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                 const int c = 2 * jp + hh;
                 u32 b[NT][2];
                 float4 rs[NT];
-                float2 mm[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     b[nt][0] = (braw[nt][0] >> (4 * hh)) & 0x0F0F0F0Fu;
@@ -199,7 +199,6 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     // loaded (shared-memory bandwidth, not ALU, is the tighter limit)
                     const float2 ds2 = *reinterpret_cast<const float2*>(tab + c * BN + n0 + nt * 8 + 2 * tig);
                     rs[nt] = make_float4(ds2.x, -MMQ_MAGIC_F * ds2.x, ds2.y, -MMQ_MAGIC_F * ds2.y);
-                    if (!TCMIN) mm[nt] = *reinterpret_cast<const float2*>(tabm + c * BN + n0 + nt * 8 + 2 * tig);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -207,24 +206,16 @@ mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     mmq_load_a<KS>(a, sA, m0 + mt * 16, c, lane);
                     const int rl = m0 + mt * 16 + g;
                     const float dl = sAdsf[2 * (rl * NC + c)], dh = sAdsf[2 * ((rl + 8) * NC + c)];
-                    float sl = 0.0f, sh = 0.0f;
-                    if (!TCMIN) { sl = sAdsf[2 * (rl * NC + c) + 1]; sh = sAdsf[2 * ((rl + 8) * NC + c) + 1]; }
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         int d[4];
                         mma_s8_k32(d, a[0], a[1], a[2], a[3], b[nt][0], b[nt][1], MMQ_MAGIC_I);
                         float* o = acc[mt][nt];
-                        // rs = (dsc, -M dsc) of rows r, r+1; mm = -dmm of rows r, r+1
+                        // rs = (dsc, -M dsc) of rows r, r+1
                         o[0] = fmaf(fmaf(__int_as_float(d[0]), rs[nt].x, rs[nt].y), dl, o[0]);
                         o[1] = fmaf(fmaf(__int_as_float(d[1]), rs[nt].z, rs[nt].w), dl, o[1]);
                         o[2] = fmaf(fmaf(__int_as_float(d[2]), rs[nt].x, rs[nt].y), dh, o[2]);
                         o[3] = fmaf(fmaf(__int_as_float(d[3]), rs[nt].z, rs[nt].w), dh, o[3]);
-                        if (!TCMIN) {
-                            o[0] = fmaf(mm[nt].x, sl, o[0]);
-                            o[1] = fmaf(mm[nt].y, sl, o[1]);
-                            o[2] = fmaf(mm[nt].x, sh, o[2]);
-                            o[3] = fmaf(mm[nt].y, sh, o[3]);
-                        }
                     }
                 }
             }
