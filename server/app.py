@@ -164,7 +164,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         eng = ready_engine()
         refuse(req)
         check_model(eng, req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        # `name` (a participant's name) goes to the template with the message, as OpenAI's
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
         ids = await run_in_threadpool(eng.encode_chat, messages)
         return await run_generation(eng, req, ids, request, chat=True)
 

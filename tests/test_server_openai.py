@@ -196,6 +196,9 @@ def test_seed_is_deterministic(client, tiny_engine):
         assert a.choices[0].model_extra["tokens"] == want
         _, text = collect_chat(client.chat.completions.create(**req, stream=True))
         assert text == a.choices[0].message.content
+        # asking for logprobs does not change what is sampled
+        c = client.chat.completions.create(**req, logprobs=True)
+        assert c.choices[0].model_extra["tokens"] == want
     others = {tuple(client.chat.completions.create(**{**req, "seed": s}).choices[0].model_extra["tokens"])
               for s in (1, 2, 3)}
     assert len(others) > 1
@@ -519,3 +522,9 @@ def test_harmless_fields_accepted(client):
     assert r.choices[0].message.role == "assistant"
     r = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, user="u-1", best_of=1, n=1)
     assert r.usage.completion_tokens >= 0
+
+
+def test_message_name_goes_to_the_template(client):
+    named = [{"role": "user", "content": "Tell me about colors", "name": "alice"}]
+    r = client.chat.completions.create(model="tiny", messages=named, max_tokens=3)
+    assert r.choices[0].message.role == "assistant"
