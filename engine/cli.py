@@ -9,6 +9,7 @@ import argparse
 import json
 import re
 import sys
+import warnings
 
 from engine.errors import GGUFError, UsageError, printable
 
@@ -306,23 +307,43 @@ def _error_line(verb: str, e: BaseException) -> str:
     return printable(f"{PROG} {verb}: error: {e}", MAX_ERROR_CHARS)
 
 
+def _warning_lines(verb: str, caught) -> list[str]:
+    """Each distinct warning as one line (Python's default format takes two, with source)."""
+    out: list[str] = []
+    for w in caught:
+        line = printable(f"{PROG} {verb}: warning: {w.category.__name__}: {w.message}", MAX_ERROR_CHARS)
+        if line not in out:
+            out.append(line)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
-        # The server parses its own flags (and GGUF_PREFILL_* variables); `serve --help` is its help.
-        args = argparse.Namespace(verb="serve", serve_args=argv[1:], fn=cmd_serve)
-    else:
-        args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except (GGUFError, UsageError) as e:
-        print(_error_line(args.verb, e), file=sys.stderr)
-        return 2
-    except MemoryError as e:
-        print(_error_line(args.verb, f"out of memory ({e or 'allocation failed'})"), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        # The server parses its own flags (and GGUF_PREFILL_* variables); `serve --help` is its
+        # help. Its warnings and logs stream as they come (a long-running process).
+        try:
+            return cmd_serve(argparse.Namespace(verb="serve", serve_args=argv[1:]))
+        except KeyboardInterrupt:
+            return 130
+    args = build_parser().parse_args(argv)
+    # Warnings (a tokenizer fallback, numpy overflow on odd weights) are held until the verb
+    # ends: one line each after a success; after an error only the error line is printed.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            rc = args.fn(args)
+        except (GGUFError, UsageError) as e:
+            print(_error_line(args.verb, e), file=sys.stderr)
+            return 2
+        except MemoryError as e:
+            print(_error_line(args.verb, f"out of memory ({e or 'allocation failed'})"), file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+    for line in _warning_lines(args.verb, caught):
+        print(line, file=sys.stderr)
+    return rc
 
 
 if __name__ == "__main__":
