@@ -16,7 +16,9 @@ exactly one stderr line; it fails as
     multiline   exit 2 with more or fewer than one stderr line, or exit 0 with stderr output
                 other than the CLI's one-line warnings (counted as `warned`)
     bad_exit    any other exit status
-    hang        no result within --timeout seconds (the worker is killed and restarted)
+    hang        no result within --timeout seconds of the worker's CPU time, or 10x that of
+                wall time (a stall); the worker is killed and restarted. CPU time keeps a
+                busy shared machine from turning slow cases into false hangs
     over_cap    an allocation failed under the --as-limit address-space cap (default 8 GiB)
     crash       the worker process died (signal)
 
@@ -162,6 +164,16 @@ def _limit_as(limit: int):
     return pre
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc; wall-clock fallback elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return time.monotonic()
+
+
 class Pool:
     """Worker processes fed one case at a time, with a per-case deadline."""
 
@@ -178,7 +190,7 @@ class Pool:
                               "--dir", directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1,
                              preexec_fn=_limit_as(as_limit))
-        w = {"p": p, "case": None, "t0": 0.0, "done": 0}
+        w = {"p": p, "case": None, "t0": 0.0, "cpu0": 0.0, "done": 0}
         self.sel.register(p.stdout, selectors.EVENT_READ, w)
         return w
 
@@ -198,7 +210,7 @@ class Pool:
 
         def feed(w):
             if todo:
-                w["case"], w["t0"] = todo.pop(), time.monotonic()
+                w["case"], w["t0"], w["cpu0"] = todo.pop(), time.monotonic(), _cpu_s(w["p"].pid)
                 w["p"].stdin.write(f"{w['case']}\n")
                 w["p"].stdin.flush()
 
@@ -224,8 +236,11 @@ class Pool:
                 feed(w)
             now = time.monotonic()
             for w in list(self.workers):
-                if w["case"] is not None and now - w["t0"] > self.timeout:
-                    on_result({"case": w["case"], "hang": round(now - w["t0"], 1)})
+                if w["case"] is None:
+                    continue
+                cpu = _cpu_s(w["p"].pid) - w["cpu0"]
+                if cpu > self.timeout or now - w["t0"] > 10 * self.timeout:
+                    on_result({"case": w["case"], "hang": round(now - w["t0"], 1), "cpu": round(cpu, 1)})
                     w = self._replace(w)
                     feed(w)
         for w in self.workers:
@@ -254,7 +269,7 @@ def fuzz(count: int, seed: int, jobs: int = 1, as_limit: int = DEFAULT_AS_LIMIT,
         if "crash" in res:
             kinds.append(("crash", f"worker exit {res['crash']}"))
         elif "hang" in res:
-            kinds.append(("hang", f"over {res['hang']} s"))
+            kinds.append(("hang", f"{res['hang']} s wall, {res.get('cpu')} s CPU"))
         else:
             for r in res["runs"]:
                 summary["runs"] += 1
@@ -312,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first case number")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--as-limit", type=int, default=DEFAULT_AS_LIMIT, help="address-space cap per worker (bytes)")
-    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per case before it is a hang")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="CPU seconds per case before it is a hang (10x as wall)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--case", type=int, default=None, help="with --write: reproduce this case")
     ap.add_argument("--write", metavar="OUT.gguf", help="write case --case's file and print its commands")
