@@ -97,7 +97,7 @@ class _VocabView:
     def __init__(self, eng):
         tok = eng.tokenizer
         n_tok = int(getattr(tok, "vocab_size", eng.vocab_size))
-        is_special = getattr(tok, "is_special", lambda i: False)
+        is_special = tok.is_special  # control tokens must never be produced as text
         tokens: list[bytes] = []
         specials: list[int] = []
         for i in range(eng.vocab_size):
