@@ -14,12 +14,15 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from server.errors import APIError, AuthMiddleware, BodyGuardMiddleware, error_body, install_error_handlers
 from server.metrics import Metrics
+from server.middleware import HeadMiddleware, Lifecycle, OutcomeMiddleware
 from server.runner import Engine, Job, Runner, new_job, synthetic_ids
 from server.openai_api import (CompletionLogprobs, chat_logprobs, check_model, max_new_tokens,
                                merge_blocks, model_not_found, plan_generation, refuse)
@@ -33,28 +36,26 @@ KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/prefill", "/v1/m
                 "/health", "/metrics", "/tokenize", "/detokenize")
 
 
-class StatusCountMiddleware:
-    """Counts responses by route and status (unknown paths are one label, 'other')."""
+def endpoint_label(path: str) -> str:
+    """The /metrics `endpoint` label: the route, '/v1/models/{id}', or 'other' (bounded)."""
+    if path in KNOWN_ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    return "other"
 
-    def __init__(self, app, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in KNOWN_ROUTES else "other"
-        counted = False
+# CPU-heavy text work (tokenize, detokenize, pieces, chat templates) runs in threads, at most
+# this many at once, so big inputs never stall the event loop (/health) nor take every thread.
+TEXT_THREADS = 4
+_text_limiter: anyio.CapacityLimiter | None = None
 
-        async def send_counting(message):
-            nonlocal counted
-            if message["type"] == "http.response.start" and not counted:
-                counted = True
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
 
-        await self.app(scope, receive, send_counting)
+async def text_work(fn: Callable[..., Any], *args: Any) -> Any:
+    global _text_limiter
+    if _text_limiter is None:
+        _text_limiter = anyio.CapacityLimiter(TEXT_THREADS)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=_text_limiter)
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
@@ -64,10 +65,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     settings = settings or Settings.from_env()
     metrics = Metrics()
     runner = Runner(settings, metrics, engine=engine, loader=loader)
+    lifecycle = Lifecycle()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        runner.start()
+        lifecycle.bind(asyncio.get_running_loop())
+        runner.start()  # a no-op when `serve` started it to load the model before listening
         try:
             yield
         finally:
@@ -78,6 +81,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.runner = runner
+    app.state.lifecycle = lifecycle
     install_error_handlers(app)
 
     def ready_engine() -> Engine:
@@ -122,16 +126,24 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         eng = ready_engine()
-        ids = await run_in_threadpool(eng.encode, req.content, req.add_special, req.parse_special)
-        if req.with_pieces:
-            return {"tokens": [{"id": t, "piece": eng.decode([t])} for t in ids]}
-        return {"tokens": ids}
+
+        def work() -> bytes:  # encoding, pieces and the JSON of a big answer: all off the loop
+            ids = eng.encode(req.content, req.add_special, req.parse_special)
+            if req.with_pieces:
+                body: Any = {"tokens": [{"id": t, "piece": eng.decode([t])} for t in ids]}
+            else:
+                body = {"tokens": ids}
+            return json.dumps(body, ensure_ascii=False).encode()
+
+        return Response(await text_work(work), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         eng = ready_engine()
         check_ids(eng, req.tokens, "tokens")
-        return {"content": eng.decode(req.tokens)}
+        text = await text_work(eng.decode, req.tokens)
+        return Response(json.dumps({"content": text}, ensure_ascii=False).encode(),
+                        media_type="application/json")
 
     # ---- prefill probe -----------------------------------------------------------------------
     @app.post("/v1/prefill")

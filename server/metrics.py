@@ -37,8 +37,12 @@ class Metrics:
             p + "time_to_first_token_seconds",
             "From request accepted to first generated token (includes queue wait)",
             buckets=_SECONDS_BUCKETS, registry=r)
-        self.requests = Counter(p + "requests", "HTTP requests by route and status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            p + "requests",
+            "HTTP requests by route and what the client got: the status when the response was "
+            "sent in full, 499 when the client left before it was complete, the error code for "
+            "a stream that ended with an error event, 500 for a crash",
+            ["endpoint", "status"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine",
                                  registry=r)
         self.requests_processing = Gauge(p + "requests_processing",

@@ -233,7 +233,8 @@ class Runner:
 
     # -- lifecycle
     def start(self) -> None:
-        self._thread.start()
+        if self._thread.ident is None:  # idempotent: serve starts it before uvicorn's lifespan
+            self._thread.start()
 
     @property
     def ready(self) -> bool:

@@ -8,6 +8,7 @@ heavy (no FastAPI, no numpy) so `gguf-prefill --help` stays fast; the CLI calls
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
@@ -19,6 +20,11 @@ DEFAULT_PORT = 8080
 DEFAULT_MAX_QUEUE = 128
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a context window
+DEFAULT_MAX_INPUT_CHARS = 1 << 18  # 262,144 characters of text per request (~8 per token at 32k)
+DEFAULT_MAX_CONNECTIONS = 512  # open client connections; more get a JSON 503 and are closed
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays open
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds from connection (or the previous response) to headers
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive the whole request body
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,19 @@ class Settings:
     device: str = "auto"  # "auto" | "cpu" | "gpu"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    max_input_chars: int = DEFAULT_MAX_INPUT_CHARS  # text in one request body; more -> 413
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS | _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name}: {v!r} is not a number")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name}: {v!r} is not a finite number")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is not in 0..65535")
         if self.ctx_size < 0:
@@ -47,6 +64,15 @@ class Settings:
             raise ValueError(f"device: {self.device!r} is not one of auto, cpu, gpu")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: {self.max_body_bytes} must be >= 1024")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.max_input_chars < 1:
+            raise ValueError(f"max_input_chars: {self.max_input_chars} must be >= 1")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections: {self.max_connections} must be >= 1")
+        for name in ("keep_alive_timeout", "header_timeout", "body_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be > 0 seconds")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
 
@@ -81,8 +107,10 @@ class Settings:
 
 
 _FIELD_NAMES = {f.name for f in fields(Settings)}
-_INT_FIELDS = {"port", "ctx_size", "max_queue", "max_body_bytes"}
-_FLOAT_FIELDS = {"shutdown_timeout"}
+_INT_FIELDS = {"port", "ctx_size", "max_queue", "max_body_bytes", "max_input_chars",
+               "max_connections"}
+_FLOAT_FIELDS = {"shutdown_timeout", "keep_alive_timeout", "header_timeout", "body_timeout"}
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def _convert(name: str, raw: str, source: str) -> Any:
@@ -92,7 +120,8 @@ def _convert(name: str, raw: str, source: str) -> Any:
         if name in _FLOAT_FIELDS:
             return float(raw)
     except ValueError:
-        raise ValueError(f"{source}={raw!r}: not a number") from None
+        kind = "an integer" if name in _INT_FIELDS else "a number"
+        raise ValueError(f"{source}={raw[:40]!r}: not {kind}") from None
     return raw
 
 
@@ -111,13 +140,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "default 0 = the model's training context)")
     parser.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' on every route but /health "
-                             f"(env {env}API_KEY)")
+                             f"(env {env}API_KEY; default none: no key needed)")
     parser.add_argument("--max-queue", dest="max_queue", type=int, default=None, metavar="N",
                         help=f"requests that may wait behind the running one; more get 429 "
                              f"(env {env}MAX_QUEUE; default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float, default=None,
                         metavar="SECONDS",
-                        help=f"on SIGTERM, seconds to let in-flight requests finish "
+                        help=f"on SIGTERM, seconds to let in-flight requests finish; then streams get "
+                             f"an error event and others a 503 "
                              f"(env {env}SHUTDOWN_TIMEOUT; default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                         help=f"backend (env {env}DEVICE; default auto: GPU when present)")
@@ -125,6 +155,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         metavar="N", help=f"largest request body; bigger gets 413 "
                                           f"(env {env}MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")
     parser.add_argument("--log-level", dest="log_level", default=None,
-                        choices=("critical", "error", "warning", "info", "debug"),
-                        help=f"uvicorn log level (env {env}LOG_LEVEL; default info)")
+                        choices=LOG_LEVELS,
+                        help=f"log level (env {env}LOG_LEVEL; default info)")
+    parser.add_argument("--max-input-chars", dest="max_input_chars", type=int, default=None,
+                        metavar="N", help=f"most characters of text (all strings together) in one "
+                                          f"request; more gets 413 (env {env}MAX_INPUT_CHARS; "
+                                          f"default {DEFAULT_MAX_INPUT_CHARS})")
+    parser.add_argument("--max-connections", dest="max_connections", type=int, default=None,
+                        metavar="N", help=f"open client connections; one more gets a 503 and is "
+                                          f"closed (env {env}MAX_CONNECTIONS; "
+                                          f"default {DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--keep-alive-timeout", dest="keep_alive_timeout", type=float,
+                        default=None, metavar="SECONDS",
+                        help=f"close a keep-alive connection idle this long (env "
+                             f"{env}KEEP_ALIVE_TIMEOUT; default {DEFAULT_KEEP_ALIVE_TIMEOUT:g})")
+    parser.add_argument("--header-timeout", dest="header_timeout", type=float, default=None,
+                        metavar="SECONDS",
+                        help=f"a request's line and headers must arrive within this many seconds "
+                             f"of the connection opening (or of the previous response); else 408 "
+                             f"and close (env {env}HEADER_TIMEOUT; default {DEFAULT_HEADER_TIMEOUT:g})")
+    parser.add_argument("--body-timeout", dest="body_timeout", type=float, default=None,
+                        metavar="SECONDS",
+                        help=f"the whole request body must arrive within this many seconds after "
+                             f"the headers; else 408 and close (env {env}BODY_TIMEOUT; "
+                             f"default {DEFAULT_BODY_TIMEOUT:g})")
     return parser

@@ -30,10 +30,14 @@ class ServerProcess:
     log file. `url` is http://127.0.0.1:PORT."""
 
     def __init__(self, model: str | None, args: list[str] = (), env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, via_cli: bool = True, device: str = "cpu"):
+                 log_dir: Path | None = None, via_cli: bool = True, device: str = "cpu",
+                 script: str | os.PathLike | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "engine", "serve"] if via_cli else [sys.executable, "-m", "server"]
+        if script is not None:  # a test's own entry point, given the same flags
+            cmd = [sys.executable, str(script)]
+        else:
+            cmd = [sys.executable, "-m", "engine", "serve"] if via_cli else [sys.executable, "-m", "server"]
         if model is not None:
             cmd += ["-m", model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--device", device, *args]
@@ -54,15 +58,19 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S, headers: dict | None = None) -> None:
+    def wait_ready(self, timeout: float = START_TIMEOUT_S, headers: dict | None = None) -> list[int]:
+        """Poll /health until 200; returns every status it answered on the way."""
         deadline = time.monotonic() + timeout
+        seen: list[int] = []
         with httpx.Client(timeout=2.0) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
                 try:
-                    if c.get(self.url + "/health").status_code == 200:
-                        return
+                    status = c.get(self.url + "/health").status_code
+                    seen.append(status)
+                    if status == 200:
+                        return seen
                 except httpx.TransportError:
                     pass
                 time.sleep(0.05)

@@ -378,7 +378,7 @@ BAD_REQUESTS = [
     ("malformed json", "/v1/completions", b'{"prompt": "hi", ', 400, "invalid_request_error", ["not valid JSON"]),
     ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "invalid_request_error", ["UTF-8"]),
     ("lone surrogate", "/v1/completions", b'{"prompt": "\\ud800"}', 422, "invalid_request_error", ["prompt", "surrogate"]),
-    ("not an object", "/v1/completions", b'[1, 2]', 422, "invalid_request_error", ["body"]),
+    ("not an object", "/v1/completions", b'[1, 2]', 400, "invalid_request_error", ["body", "object"]),
     ("missing prompt", "/v1/completions", b'{"max_tokens": 3}', 422, "invalid_request_error", ["prompt", "Field required"]),
     ("empty prompt", "/v1/completions", b'{"prompt": ""}', 422, "invalid_request_error", ["prompt", "empty"]),
     ("empty id list", "/v1/completions", b'{"prompt": []}', 422, "invalid_request_error", ["prompt", "empty"]),
@@ -406,7 +406,7 @@ BAD_REQUESTS = [
     ("tokenize without content", "/tokenize", b'{"text": "hi"}', 422, "invalid_request_error", ["content"]),
     ("detokenize bad ids", "/detokenize", b'{"tokens": ["a"]}', 422, "invalid_request_error", ["tokens.0"]),
     ("detokenize out of vocab", "/detokenize", b'{"tokens": [100000]}', 400, "invalid_request_error", ["tokens", "100000"]),
-    ("empty body", "/v1/completions", b'', 422, "invalid_request_error", ["body"]),
+    ("empty body", "/v1/completions", b'', 400, "invalid_request_error", ["body", "empty"]),
 ]
 
 
