@@ -105,3 +105,31 @@ def test_kv_cache_overflow_and_bad_ids_are_clear_errors(tiny_ref):
         tiny_ref.forward([1, 2, 3], tiny_ref.new_cache(2))
     with pytest.raises(GGUFError, match="outside the vocabulary"):
         tiny_ref.forward([tiny_ref.config.vocab_size], tiny_ref.new_cache(2))
+
+
+@pytest.mark.parametrize("budget", [0, 400_000])
+def test_f32_budget_keeps_the_logits(tiny_ref, budget):
+    """Matrices past the float32 budget are dequantized per forward: same W rows, same logits;
+    the resident figure drops to the quantized bytes of those matrices."""
+    ids = [3, 17, 42, 5, 99, 7]
+    lean = ReferenceModel(tiny_ref.file, f32_bytes=budget)
+    assert lean.resident_bytes < tiny_ref.resident_bytes
+    want = tiny_ref.forward(ids, tiny_ref.new_cache(7), all_logits=True)
+    cache = lean.new_cache(7)
+    got = lean.forward(ids, cache, all_logits=True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    full = tiny_ref.forward(ids + [9], tiny_ref.new_cache(7), all_logits=True)
+    np.testing.assert_allclose(lean.forward([9], cache), full[-1], rtol=1e-4, atol=1e-4)
+
+def test_f32_budget_from_env(monkeypatch):
+    from engine.errors import GGUFError
+    from engine.reference.model import f32_budget_from_env
+
+    monkeypatch.delenv("GGUF_PREFILL_CPU_F32_GIB", raising=False)
+    assert f32_budget_from_env() is None
+    monkeypatch.setenv("GGUF_PREFILL_CPU_F32_GIB", "1.5")
+    assert f32_budget_from_env() == 3 * 2**29
+    for bad in ("abc", "-1", "nan", "inf"):
+        monkeypatch.setenv("GGUF_PREFILL_CPU_F32_GIB", bad)
+        with pytest.raises(GGUFError, match="GGUF_PREFILL_CPU_F32_GIB"):
+            f32_budget_from_env()

@@ -1,9 +1,10 @@
 """numpy reference forward for llama and qwen2 (the CPU backend and the whole-model oracle) and its
 KV cache; the float ops it runs are in engine/reference/ops.py.
 
-Float32 throughout (RoPE angles in float64, then rounded). Each weight is dequantized once at load;
-token embeddings are dequantized per token (one row block each), so only one copy of the model is
-in memory.
+Float32 throughout (RoPE angles in float64, then rounded). Each weight matrix is dequantized once at
+load (the file's pages of it are then dropped from the process), or, past the f32_bytes budget,
+per forward in row chunks (same values, less memory, slower); token embeddings are dequantized
+per token at lookup, so no [vocab, d] float32 table is held for them.
 
     x = embed(ids)                                        # [n, d]
     per layer:
@@ -18,17 +19,23 @@ in memory.
 """
 from __future__ import annotations
 
+import ctypes
+import math
+import mmap
+import os
+import sys
 from typing import Sequence
 
 import numpy as np
 
 from engine.errors import GGUFError
 from engine.formats.config import ModelConfig
+from engine.formats.gguf_file import TensorInfo
 from engine.formats.rope import rope_tables
 from engine.formats.weights import LAYER_MATRICES, LAYER_NORMS, QKV_BIASES, ModelFile, layer_name, open_model
-from engine.reference.ops import apply_rope, causal_attention, dequantize_rows, rms_norm, silu
+from engine.reference.ops import ROW_CHUNK, apply_rope, causal_attention, dequantize_rows, rms_norm, silu
 
-__all__ = ["KVCache", "ReferenceModel"]
+__all__ = ["KVCache", "Matrix", "ReferenceModel"]
 
 
 class KVCache:
@@ -42,19 +49,102 @@ class KVCache:
         self.length = 0
 
 
+def _page_out(a: np.ndarray) -> None:
+    """Drop the process's resident pages of a read-only file mapping under `a` (Linux madvise
+    MADV_DONTNEED: the bytes stay in the file and page back in if touched again)."""
+    global _libc
+    if sys.platform != "linux" or a.nbytes == 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+    start = a.ctypes.data // page * page
+    end = -(-(a.ctypes.data + a.nbytes) // page) * page
+    _libc.madvise(start, end - start, 4)  # MADV_DONTNEED; a failure only leaves the pages resident
+
+
+_libc = None
+
+
+class Matrix:
+    """One weight W [out, in] of the model, multiplied as h @ W.T.
+
+    Resident: its float32 rows, dequantized once at load (the file's pages of it are then
+    dropped from the process). Not resident: the file's blocks, dequantized per call ROW_CHUNK
+    rows at a time into one scratch buffer: the same float32 W rows through the same BLAS
+    product, at the cost of a dequantization per forward.
+    """
+
+    def __init__(self, t: TensorInfo, resident: bool):
+        self.tensor = t
+        self.shape = t.shape
+        self.w = dequantize_rows(t) if resident else None
+        if resident:
+            _page_out(t.data)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes if self.w is not None else self.tensor.n_bytes
+
+    def matmul_t(self, h: np.ndarray) -> np.ndarray:
+        """h [n, in] @ W.T -> float32 [n, out]."""
+        if self.w is not None:
+            return h @ self.w.T
+        rows, cols = self.shape
+        out = np.empty((h.shape[0], rows), dtype=np.float32)
+        scratch = np.empty((min(ROW_CHUNK, rows), cols), dtype=np.float32)
+        for r in range(0, rows, ROW_CHUNK):
+            w = dequantize_rows(self.tensor, slice(r, r + ROW_CHUNK), out=scratch[:min(ROW_CHUNK, rows - r)])
+            np.matmul(h, w.T, out=out[:, r:r + w.shape[0]])
+        return out
+
+
+def f32_budget_from_env() -> int | None:
+    """GGUF_PREFILL_CPU_F32_GIB: GiB of dequantized float32 weights the CPU backend keeps
+    (unset: all of them, the fastest; 0: none, the least memory)."""
+    v = os.environ.get("GGUF_PREFILL_CPU_F32_GIB", "").strip()
+    if not v:
+        return None
+    try:
+        gib = float(v)
+    except ValueError:
+        raise GGUFError(f"GGUF_PREFILL_CPU_F32_GIB={v[:40]!r} is not a number of GiB") from None
+    if not math.isfinite(gib) or gib < 0:
+        raise GGUFError(f"GGUF_PREFILL_CPU_F32_GIB={v[:40]!r} must be a finite number >= 0")
+    return int(gib * 2**30)
+
+
 class ReferenceModel:
-    """The numpy backend. See the module docstring for the forward."""
+    """The numpy backend. See the module docstring for the forward.
+
+    f32_bytes bounds the dequantized float32 weights kept in memory (None: every matrix, read
+    from the environment's GGUF_PREFILL_CPU_F32_GIB when that is set); matrices past the budget,
+    the last layers' first, are dequantized per forward instead (same values, slower).
+    """
 
     device = "cpu"
 
-    def __init__(self, model: ModelFile):
+    def __init__(self, model: ModelFile, f32_bytes: int | None = None):
         self.file = model
         self.config = cfg = model.config
+        budget = f32_budget_from_env() if f32_bytes is None else f32_bytes
+        left = [float("inf") if budget is None else budget]
+
+        def matrix(t: TensorInfo) -> Matrix:
+            need = t.shape[0] * t.shape[1] * 4
+            keep = need <= left[0]
+            if keep:
+                left[0] -= need
+            return Matrix(t, keep)
+
         self.embd = model.tensor("token_embd.weight")
         self.output_norm = np.asarray(model.tensor("output_norm.weight").data, dtype=np.float32)
+        # the output matrix first: it is read for every token's logits
+        self.output = matrix(model.output_tensor)
         self.layers = []
         for i in range(cfg.n_layers):
-            layer = {role: dequantize_rows(model.tensor(layer_name(i, role))) for role in LAYER_MATRICES}
+            layer = {role: matrix(model.tensor(layer_name(i, role))) for role in LAYER_MATRICES}
             for role in LAYER_NORMS:
                 layer[role] = np.asarray(model.tensor(layer_name(i, role)).data, dtype=np.float32)
             for role in QKV_BIASES:
@@ -62,9 +152,8 @@ class ReferenceModel:
                 layer[role + "_bias"] = (np.asarray(model.tensor(name).data, dtype=np.float32)
                                          if model.has(name) else None)
             self.layers.append(layer)
-        self.output = dequantize_rows(model.output_tensor)
-        self.resident_bytes = sum(a.nbytes for layer in self.layers for a in layer.values()
-                                  if a is not None) + self.output.nbytes
+        self.resident_bytes = self.output.nbytes + sum(
+            a.nbytes for layer in self.layers for a in layer.values() if a is not None)
 
     @classmethod
     def from_path(cls, path) -> "ReferenceModel":
@@ -74,8 +163,9 @@ class ReferenceModel:
         return KVCache(self.config, max_tokens)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        if self.config.tied_output:
-            return self.output[ids]
+        """Rows of the token embedding, dequantized at lookup (the tied output's f32 rows when held)."""
+        if self.config.tied_output and self.output.w is not None:
+            return self.output.w[ids]
         return dequantize_rows(self.embd, ids)
 
     def check_ids(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
@@ -101,7 +191,7 @@ class ReferenceModel:
         x = self.embed(ids)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
-            q, k, v = h @ w["attn_q"].T, h @ w["attn_k"].T, h @ w["attn_v"].T
+            q, k, v = w["attn_q"].matmul_t(h), w["attn_k"].matmul_t(h), w["attn_v"].matmul_t(h)
             if w["attn_q_bias"] is not None:
                 q += w["attn_q_bias"]
                 k += w["attn_k_bias"]
@@ -111,14 +201,16 @@ class ReferenceModel:
             cache.k[i, start:start + n] = k
             cache.v[i, start:start + n] = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
             a = causal_attention(q, cache.k[i, :start + n], cache.v[i, :start + n], start)
-            x = x + a @ w["attn_output"].T
+            x = x + w["attn_output"].matmul_t(a)
             h = rms_norm(x, w["ffn_norm"], cfg.rms_eps)
-            x = x + (silu(h @ w["ffn_gate"].T) * (h @ w["ffn_up"].T)) @ w["ffn_down"].T
+            x = x + w["ffn_down"].matmul_t(silu(w["ffn_gate"].matmul_t(h)) * w["ffn_up"].matmul_t(h))
         cache.length = start + n
         return rms_norm(x, self.output_norm, cfg.rms_eps)
 
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
         h = self.hidden(ids, cache)
         if all_logits:
-            return h @ self.output.T
-        return h[-1] @ self.output.T
+            return self.output.matmul_t(h)
+        if self.output.w is not None:
+            return h[-1] @ self.output.w.T
+        return self.output.matmul_t(h[-1:])[0]
