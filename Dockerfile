@@ -44,12 +44,15 @@ USER app
 
 EXPOSE 8080
 
-# /health: 503 while the model loads, 200 when ready (never needs the API key).
+# /health: 200 once the server can answer (never needs the API key). The port only opens after
+# the model has loaded (the log shows progress, then a startup line and "ready"), so a check
+# during the load fails as "connection refused"; --start-period covers the load.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/health', timeout=4)"]
 
 # SIGTERM (docker stop) drains in-flight requests for up to --shutdown-timeout seconds
-# (default 30); give `docker stop -t` at least that much.
+# (default 30); then streams get an SSE error event and other requests a JSON 503. Give
+# `docker stop -t` a few seconds more than that.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["gguf-prefill", "serve"]
 CMD ["--host", "0.0.0.0", "--port", "8080"]

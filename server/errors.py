@@ -1,8 +1,9 @@
 """One JSON error shape everywhere: {"error": {"code": <http status>, "type": ..., "message": ...}}.
 
-Covers our own APIError, FastAPI's request-validation 422s (the message names the field),
-Starlette's 404/405, and the body guard (413 oversized, 400 invalid UTF-8 / malformed JSON)
-that runs before FastAPI sees the request. Types follow llama-server's names.
+Covers our own APIError (with Retry-After on 429 and on the loading 503), FastAPI's
+request-validation 422s (the message names the field), Starlette's 404/405, and the body guard
+that runs before FastAPI sees the request: 413 (bytes or characters over the limit), 408 (body
+too slow), 400 naming every kind of parse error. Types follow llama-server's names.
 """
 
 from __future__ import annotations

@@ -593,3 +593,54 @@ def test_startup_log_line_and_ready_only_when_answering(server):
     assert running and ready, log
     assert lines.index(startup) < running[0] <= ready[0]
     assert lines.index(startup) > min(i for i, ln in enumerate(lines) if "loading" in ln)
+
+
+SLOW_LOADER = textwrap.dedent('''
+    """serve_app with a model load that takes SLOW_LOAD_S seconds."""
+    import os
+    import sys
+    import time
+
+    from server.app import create_app
+    from server.main import build_parser, serve_app
+    from server.runner import load_engine
+    from server.settings import Settings
+
+
+    def slow(settings):
+        time.sleep(float(os.environ["SLOW_LOAD_S"]))
+        return load_engine(settings)
+
+
+    settings = Settings.from_namespace(build_parser().parse_args(sys.argv[1:]))
+    sys.exit(serve_app(create_app(settings, loader=slow), settings))
+''')
+
+
+def test_slow_load_progress_then_ready(tiny_model_path, tmp_path):
+    script = tmp_path / "slow_server.py"
+    script.write_text(SLOW_LOADER)
+    with ServerProcess(tiny_model_path, [], script=script, log_dir=tmp_path, env={"SLOW_LOAD_S": "2.6"}) as s:
+        statuses = s.wait_ready(timeout=60)
+        assert statuses == [200], statuses  # nothing answered (not even 503) until it could answer
+        log = s.log()
+        progress = log.index("loading tiny.gguf: 2 s so far")
+        assert progress < log.index("Uvicorn running on") < log.index("ready: model tiny.gguf")
+
+
+def test_sigterm_while_loading_exits_0_without_listening(tiny_model_path, tmp_path):
+    script = tmp_path / "slow_server.py"
+    script.write_text(SLOW_LOADER)
+    with ServerProcess(tiny_model_path, [], script=script, log_dir=tmp_path, env={"SLOW_LOAD_S": "60"}) as s:
+        deadline = time.monotonic() + 30
+        while "so far" not in s.log():
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.log()
+            time.sleep(0.1)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(s.url + "/health", timeout=2)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=10) == 0, s.log()
+        assert time.monotonic() - t0 < 5
+        log = s.log()
+        assert "interrupted while loading" in log and "ready" not in log and "Traceback" not in log
