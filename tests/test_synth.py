@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.tools import synth
-from engine.tools.synth import SHAPES, make_vocab, tensor_plan, use_more_bits, write_synthetic
+from engine.tools.synth import SHAPES, make_vocab, q6_layers, tensor_plan, use_more_bits, write_synthetic
 
 
 def _field(reader, key):
@@ -43,8 +43,9 @@ def test_tensor_plan_layout(name):
     assert by["token_embd.weight"] == ("token_embd.weight", GQ.Q4_K, (s.vocab_size, s.d_model))
     assert by["output.weight"] == ("output.weight", GQ.Q6_K, (s.vocab_size, s.d_model))
     assert by["output_norm.weight"] == ("output_norm.weight", GQ.F32, (s.d_model,))
+    q6 = q6_layers(name)
     for i in range(s.n_layers):
-        more = GQ.Q6_K if use_more_bits(i, s.n_layers) else GQ.Q4_K
+        more = GQ.Q6_K if i in q6 else GQ.Q4_K
         p = f"blk.{i}."
         assert by[p + "attn_q.weight"][1:] == (GQ.Q4_K, (s.n_heads * hd, s.d_model))
         assert by[p + "attn_k.weight"][1:] == (GQ.Q4_K, (s.n_kv_heads * hd, s.d_model))
@@ -243,3 +244,65 @@ def test_plan_rule_matches_default_model():
             assert real[p.name].tensor_type == p.ggml_type, p.name
     g = real["blk.0.ffn_gate.weight"]
     assert g.data.shape == (8960, 864) and list(g.shape) == [1536, 8960]
+
+
+def test_q6_layers_rule():
+    # numerically listed layers: the counter is the layer index
+    assert q6_layers("qwen2-7b") == {i for i in range(28) if use_more_bits(i, 28)}
+    # the default model's file listed layers by name (blk.0, blk.1, blk.10, ...)
+    assert sorted(q6_layers("qwen2.5-1.5b")) == [0, 1, 5, 6, 7, 8, 9, 10, 13, 16, 19, 21, 24, 27]
+
+
+def test_qwen25_shape_matches_default_model_header():
+    """synth --shape qwen2.5-1.5b against the real file's header (read_header: no tensor data
+    read, so this runs whenever the default model is cached): the same tensor names, numpy
+    shapes and q4_K/q6_K/f32 types, and the same hyper-parameters."""
+    from engine.formats.config import ModelConfig
+    from engine.formats.gguf_file import read_header
+
+    path = _model_path()
+    if not path.exists():
+        if os.environ.get("GGUF_PREFILL_REQUIRE_MODEL") == "1":
+            pytest.fail(f"default model missing: {path}")
+        pytest.skip(f"default model not present: {path}")
+    h = read_header(path)
+    real = {t.name: (int(t.ggml_type), tuple(reversed(t.dims))) for t in h.tensors}
+    plan = {p.name: (int(p.ggml_type), p.shape) for p in tensor_plan("qwen2.5-1.5b")}
+    assert plan == real
+    s = SHAPES["qwen2.5-1.5b"]
+    names = set(real)
+    cfg = ModelConfig.from_metadata(h.metadata, names, real["token_embd.weight"][1][0], str(path))
+    assert (s.arch, s.n_layers, s.d_model, s.d_ff, s.n_heads, s.n_kv_heads, s.head_dim, s.vocab_size,
+            s.n_ctx, s.qkv_bias) == (cfg.arch, cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads,
+                                     cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.n_ctx_train,
+                                     cfg.has_qkv_bias)
+    assert np.float32(s.rope_base) == np.float32(cfg.rope_base)
+    assert np.float32(s.rms_eps) == np.float32(cfg.rms_eps)
+    assert cfg.tied_output is False
+
+
+def test_qwen25_synth_header(tmp_path, monkeypatch):
+    """The written file's header is the plan and its config the shape (tensor data left as holes of a
+    sparse file; `synth --shape qwen2.5-1.5b --random-blocks` writes 1.1 GB of random blocks)."""
+    from engine.formats.config import ModelConfig
+    from engine.formats.gguf_file import read_header
+
+    class Hole:  # a tensor's bytes as a hole in a sparse file: nothing generated or stored
+        def __init__(self, n):
+            self.nbytes = n
+
+        def tofile(self, f):
+            f.seek(self.nbytes - 1, 1)
+            f.write(b"\0")
+
+    def stub_chunks(t, s, rng, random_blocks, chunk_elems):
+        yield Hole(synth.tensor_nbytes(t))
+
+    monkeypatch.setattr(synth, "_tensor_chunks", stub_chunks)
+    path = write_synthetic(tmp_path / "q.gguf", "qwen2.5-1.5b", random_blocks=True)
+    h = read_header(path)
+    assert [(t.name, t.ggml_type) for t in h.tensors] == \
+        [(p.name, int(p.ggml_type)) for p in tensor_plan("qwen2.5-1.5b")]
+    cfg = ModelConfig.from_metadata(h.metadata, {t.name for t in h.tensors}, 151936, str(path))
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.n_ctx_train) == \
+        (28, 1536, 12, 2, 8960, 32768)

@@ -6,13 +6,14 @@
 
 q4_K_M layout (llama.cpp llama_tensor_get_type for LLAMA_FTYPE_MOSTLY_Q4_K_M):
     output.weight                      q6_K
-    blk.i.attn_v / blk.i.ffn_down      q6_K if use_more_bits(i, n_layers) else q4_K
+    blk.i.attn_v / blk.i.ffn_down      q6_K if i in q6_layers(shape) else q4_K
     every other 2-D weight (incl. token_embd)  q4_K
     norms, biases                      f32
     use_more_bits(i, n) = i < n//8 or i >= 7*n//8 or (i - n//8) % 3 == 2
-(llama.cpp's i is a counter of attn_v / ffn_down tensors in source-file order; our files list
-layers numerically so i is the layer index. The default qwen2.5 model was quantized from a
-name-sorted file (blk.0, blk.1, blk.10, ...), so its q6_K layers are 0,1,5-10,13,16,19,21,24,27.)
+(llama.cpp's i is a counter of attn_v / ffn_down tensors in source-file order: q6_layers gives
+the layer index for numerically listed layers; the default qwen2.5 model was quantized from a
+name-sorted file (blk.0, blk.1, blk.10, ...), so its q6_K layers, and those of the
+"qwen2.5-1.5b" shape (name_sorted_layers), are 0,1,5-10,13,16,19,21,24,27.)
 
 A weight of numpy shape [out_rows, in_cols] is stored with ggml ne = [in_cols, out_rows].
 
@@ -71,6 +72,10 @@ class SynthShape:
     rms_eps: float = 1e-5
     n_ctx: int = 4096
     qkv_bias: bool = False
+    # llama.cpp picks q6_K attn_v / ffn_down by a counter over the tensors in the order of the
+    # file it quantized; True: that file listed layers by name (blk.0, blk.1, blk.10, ...), as
+    # the default model's did; False: numerically.
+    name_sorted_layers: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +88,12 @@ SHAPES: dict[str, SynthShape] = {
     "qwen2-7b": SynthShape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1e6, 1e-6, 32768, qkv_bias=True),
     # 4 layers: use_more_bits(i, 4) is true for i = 2, 3 -> attn_v/ffn_down are q4_K in layers
     # 0-1 and q6_K in layers 2-3. GQA 4 heads / 2 KV heads, head_dim 64.
+    # The default model's shapes (Qwen2.5-Coder-1.5B-Instruct q4_K_M, read from its header):
+    # 28 layers, d 1536, ffn 8960, 12 heads / 2 KV heads of 128, vocab 151936, context 32768,
+    # rope base 1e6, eps 1e-6, q/k/v biases; q6_K attn_v/ffn_down in layers 0,1,5-10,13,16,19,
+    # 21,24,27 (name-sorted counter), token_embd q4_K, output q6_K.
+    "qwen2.5-1.5b": SynthShape("qwen2", 1536, 8960, 28, 12, 2, 151936, 1e6, 1e-6, 32768, qkv_bias=True,
+                               name_sorted_layers=True),
     "tiny": SynthShape("llama", 256, 512, 4, 4, 2, 512, 1e4, 1e-5, 2048),
     "tiny-qwen2": SynthShape("qwen2", 256, 512, 4, 4, 2, 512, 1e6, 1e-6, 2048, qkv_bias=True),
 }
@@ -97,6 +108,15 @@ class PlannedTensor(NamedTuple):
 def use_more_bits(i: int, n: int) -> bool:
     """llama.cpp's use_more_bits (integer division)."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q6_layers(shape: str | SynthShape) -> set[int]:
+    """Layers whose attn_v and ffn_down are q6_K: use_more_bits over llama.cpp's counter of those
+    tensors in the quantized file's order (by layer number, or by name: name_sorted_layers)."""
+    s = _shape(shape)
+    n = s.n_layers
+    order = sorted(range(n), key=str) if s.name_sorted_layers else range(n)
+    return {layer for k, layer in enumerate(order) if use_more_bits(k, n)}
 
 
 def _shape(shape: str | SynthShape) -> SynthShape:
@@ -114,8 +134,9 @@ def tensor_plan(shape_name: str | SynthShape) -> list[PlannedTensor]:
     d, ff, hd = s.d_model, s.d_ff, s.head_dim
     q_dim, kv_dim = s.n_heads * hd, s.n_kv_heads * hd
     plan = [PlannedTensor("token_embd.weight", GQ.Q4_K, (s.vocab_size, d))]
+    q6 = q6_layers(s)
     for i in range(s.n_layers):
-        more = GQ.Q6_K if use_more_bits(i, s.n_layers) else GQ.Q4_K
+        more = GQ.Q6_K if i in q6 else GQ.Q4_K
         p = f"blk.{i}."
         plan.append(PlannedTensor(p + "attn_norm.weight", GQ.F32, (d,)))
         plan.append(PlannedTensor(p + "attn_q.weight", GQ.Q4_K, (q_dim, d)))
