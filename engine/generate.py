@@ -1,8 +1,14 @@
-"""Token generation over any backend (the Backend protocol of docs/ARCHITECTURE.md).
+"""Token generation over any backend, through a generation session (engine/session.py).
 
-Greedy decoding is argmax with ties going to the lowest id (numpy's argmax). A generation stops at
-an end-of-generation token (which, as in llama.cpp, is not emitted), at max_tokens, or when
-`should_stop()` says so (a cancelled request).
+Greedy decoding is argmax with ties going to the lowest id (numpy's argmax; argmax.cu on the
+GPU has the same rule). A generation stops at an end-of-generation token (which, as in
+llama.cpp, is not emitted), at max_tokens, or when the consumer stops iterating (a cancelled
+request).
+
+Greedy without `need_logits` asks the session for the argmax only: on the GPU no vocabulary of
+logits crosses to the host, and Step.margin is nan (the reference backend still gives it). A
+sampler, or need_logits=True (margins, logprobs), copies the logits of each step; with
+need_logits the Step carries them (Step.logits).
 """
 from __future__ import annotations
 
@@ -12,25 +18,19 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from engine.session import open_session, top_two
+
 Sampler = Callable[[np.ndarray], int]
 
-
-def top_two(logits: np.ndarray) -> tuple[int, float, float]:
-    """(argmax id, its logit, its lead over the runner-up)."""
-    best = int(np.argmax(logits))
-    top = float(logits[best])
-    if logits.shape[0] < 2:
-        return best, top, float("inf")
-    rest = logits.copy()
-    rest[best] = -np.inf
-    return best, top, top - float(rest.max())
+__all__ = ["Generation", "Sampler", "Step", "generate", "generate_steps", "top_two", "warm_up"]
 
 
 @dataclass
 class Step:
     token: int
     top_logit: float  # the chosen token's logit
-    margin: float     # top logit minus runner-up logit (greedy lead)
+    margin: float     # top logit minus runner-up logit (greedy lead); nan when not computed
+    logits: np.ndarray | None = None   # float32 [vocab], with need_logits=True
 
 
 @dataclass
@@ -54,48 +54,72 @@ class Generation:
         }
 
 
+def _choose(session, sampler: Sampler | None, need_logits: bool):
+    """(token, top logit, margin, logits or None) for the session's current logits."""
+    if sampler is None and not need_logits:
+        token, top, margin = session.argmax()
+        return token, top, margin, None
+    logits = session.logits()
+    best, top, margin = top_two(logits)
+    token = best if sampler is None else int(sampler(logits))
+    if token != best:
+        top, margin = float(logits[token]), float(logits[token]) - float(logits[best])
+    return token, top, margin, (logits if need_logits else None)
+
+
 def generate_steps(model, prompt_ids: Sequence[int], max_tokens: int, eog_ids=(),
                    sampler: Sampler | None = None, result: Generation | None = None,
-                   ) -> Iterator[Step]:
+                   need_logits: bool = False) -> Iterator[Step]:
     """Yield one Step per emitted token; fills `result` (timings, stop reason) as it goes.
 
     The consumer may stop iterating at any time (cancellation); result.stop_reason then stays
-    "cancelled" unless the loop ended by itself.
+    "cancelled" unless the loop ended by itself. prompt_ms covers the prefill and the first
+    token's choice; predicted_ms each later step and its choice.
     """
     prompt_ids = [int(t) for t in prompt_ids]
     res = result if result is not None else Generation(prompt_ids)
     res.prompt_ids = prompt_ids
     res.stop_reason = "cancelled"
     eog = set(int(t) for t in eog_ids)
-    cache = model.new_cache(len(prompt_ids) + max(max_tokens, 1))
-    t0 = time.perf_counter()
-    logits = model.forward(prompt_ids, cache)
-    res.prompt_ms = (time.perf_counter() - t0) * 1e3
-    decode_s = 0.0
-    for i in range(max_tokens):
-        best, top, margin = top_two(logits)
-        token = best if sampler is None else int(sampler(logits))
-        if token != best:
-            top, margin = float(logits[token]), float(logits[token]) - float(logits[best])
-        if token in eog:
-            res.stop_reason = "eog"
+    with open_session(model, len(prompt_ids) + max(max_tokens, 1)) as session:
+        t0 = time.perf_counter()
+        session.prefill(prompt_ids)
+        if max_tokens <= 0:
+            session.synchronize()
+            res.prompt_ms = (time.perf_counter() - t0) * 1e3
+            res.stop_reason = "length"
             return
-        res.tokens.append(token)
-        res.top_logits.append(top)
-        res.margins.append(margin)
-        yield Step(token, top, margin)
-        if i + 1 == max_tokens:
-            break
-        t1 = time.perf_counter()
-        logits = model.forward([token], cache)
-        decode_s += time.perf_counter() - t1
-        res.predicted_ms = decode_s * 1e3
+        choice = _choose(session, sampler, need_logits)
+        res.prompt_ms = (time.perf_counter() - t0) * 1e3
+        decode_s = 0.0
+        for i in range(max_tokens):
+            token, top, margin, logits = choice
+            if token in eog:
+                res.stop_reason = "eog"
+                return
+            res.tokens.append(token)
+            res.top_logits.append(top)
+            res.margins.append(margin)
+            yield Step(token, top, margin, logits)
+            if i + 1 == max_tokens:
+                break
+            t1 = time.perf_counter()
+            session.step(token)
+            choice = _choose(session, sampler, need_logits)
+            decode_s += time.perf_counter() - t1
+            res.predicted_ms = decode_s * 1e3
     res.stop_reason = "length"
 
 
 def generate(model, prompt_ids: Sequence[int], max_tokens: int, eog_ids=(),
-             sampler: Sampler | None = None) -> Generation:
+             sampler: Sampler | None = None, need_logits: bool = False) -> Generation:
     res = Generation(list(prompt_ids))
-    for _ in generate_steps(model, prompt_ids, max_tokens, eog_ids, sampler, res):
+    for _ in generate_steps(model, prompt_ids, max_tokens, eog_ids, sampler, res, need_logits=need_logits):
         pass
     return res
+
+
+def warm_up(model, n_prompt: int = 64) -> None:
+    """Load (compile) every kernel a request runs: a prefill of n_prompt tokens and two decode
+    steps through a session (on the GPU that also captures one pooled session's graph)."""
+    generate(model, [0] * max(1, int(n_prompt)), 3)

@@ -671,3 +671,33 @@ def test_session_steps_match_prefill(cp, rng, tiny_qwen2_path):
     margin = srt[:, -1] - srt[:, -2]
     assert rel.max() <= 3e-2, rel
     assert (np.argmax(got, -1) == np.argmax(want, -1))[margin >= MIN_MARGIN].all()
+
+
+def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
+    """One decode step launches exactly the production kernels (per layer: the q/k/v GEMVs by
+    layout runs, qkv_post, attention split + combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row,
+    down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
+    from engine.gpu import kernels
+    from engine.gpu.decode import DecodeStep, bench_decode, same_launch
+
+    model = _gpu_model(tiny_qwen2_path)
+    step = DecodeStep(model, model.new_cache(16))
+    names = []
+    orig = kernels.get_kernel
+
+    def counting(fname, name, dynamic_smem=0):
+        orig(fname, name, dynamic_smem)                          # the instance exists
+        return lambda *a, **kw: names.append(name)
+
+    monkeypatch.setattr(kernels, "get_kernel", counting)
+    step.enqueue()
+    monkeypatch.setattr(kernels, "get_kernel", orig)
+    want = 2 + 2
+    for L in model.layers:
+        W = L.roles
+        runs = 1 + (not same_launch(W["attn_q"], W["attn_k"])) + (not same_launch(W["attn_k"], W["attn_v"]))
+        want += runs + 1 + 2 + 1 + 1 + (1 if same_launch(W["ffn_gate"], W["ffn_up"]) else 3) + 1 + 1 + 1
+    assert len(names) == want, names
+    assert names[-1] == "argmax_step" and not any("addnorm" in n or "_u2" in n or "_r2" in n for n in names)
+    ts = bench_decode(model, n_gen=3, depth=2, reps=1)
+    assert len(ts) == 1 and ts[0] > 0

@@ -414,3 +414,117 @@ def test_gpu_model_rejects_wrong_cache(tiny_model_path):
         g = GPUModel(mf)
         with pytest.raises(TypeError):
             g.forward([1, 2], ReferenceModel(mf).new_cache(4))
+
+
+def test_one_weight_set_role_views_and_bias_emulated(tiny_qwen2_model_path):
+    """Decode reads GPUModel's own weights: per-role views share the fused groups' memory,
+    the q/k/v biases are one array whose views the prefill takes, and the one KV cache class
+    exposes per-layer views and strides."""
+    from engine.formats.weights import layer_name, open_model
+    from tests.gpu_emulation import emulated_gpu
+
+    mf = open_model(tiny_qwen2_model_path)
+    cfg = mf.config
+    with emulated_gpu():
+        from engine.gpu.kv_cache import GPUKVCache
+        from engine.gpu.model import GPUModel
+
+        g = GPUModel(mf)
+        for i, L in enumerate(g.layers):
+            segs = {r: s for s in L.qkv + L.gate_up for r in s.roles}
+            for role, w in L.roles.items():
+                assert np.shares_memory(w.data, segs[role].w.data)
+                assert w.rows == {"attn_q": cfg.q_dim, "attn_k": cfg.kv_dim, "attn_v": cfg.kv_dim}.get(role, cfg.d_ff)
+                raw = np.asarray(mf.tensor(layer_name(i, role)).data)
+                if w.kind == "q4_k":
+                    assert np.array_equal(np.asarray(w.data), raw)
+            assert L.qkv_bias.shape == (cfg.q_dim + 2 * cfg.kv_dim,)
+            for b in (L.bq, L.bk, L.bv):
+                assert np.shares_memory(b, L.qkv_bias)
+            assert np.array_equal(L.bk, np.asarray(mf.tensor(layer_name(i, "attn_k", "bias")).data))
+        c = g.new_cache(10)
+        assert type(c) is GPUKVCache and c.capacity == c.max_tokens == 10 and c.length == 0
+        assert c.k_layer(1).shape == (cfg.n_kv_heads, 10, cfg.head_dim) and c.k.dtype == np.float16
+        assert (c.tok_stride, c.head_stride) == (cfg.head_dim, 10 * cfg.head_dim)
+        g.forward([1, 2, 3], c)
+        assert c.length == 3
+        c.reset()
+        assert c.length == 0
+
+
+def test_session_buckets_and_pool(monkeypatch):
+    """SessionPool (engine.gpu.session) without a device: bucketed capacities, reuse of an idle
+    session of the same bucket, LRU eviction by count and bytes, one retry after an out-of-memory
+    error with the idle sessions freed."""
+    from engine.gpu import session as S
+
+    assert [S.bucket_capacity(n) for n in (1, 256, 257, 1000, 4096, 4097, 9000)] == \
+        [256, 256, 512, 1024, 4096, 8192, 12288]
+
+    made = []
+
+    class FakeSession:
+        def __init__(self, model, capacity, pool=None, use_graph=True):
+            if model.oom:
+                model.oom -= 1
+                raise type("OutOfMemoryError", (Exception,), {})()
+            self.capacity, self._pool, self.nbytes = capacity, pool, capacity
+            made.append(self)
+
+        def close(self):
+            self._pool.give(self)
+
+    monkeypatch.setattr(S, "GPUSession", FakeSession)
+    model = type("M", (), {"oom": 0})()
+    pool = S.SessionPool(model, max_idle=2, max_idle_bytes=3000)
+    a = pool.take(100)
+    a.close()
+    assert pool.take(200) is a                        # same bucket: reused
+    b = pool.take(300)                                # another bucket: new
+    assert b.capacity == 512 and pool.created == 2
+    a.close()
+    b.close()
+    c = pool.take(2000)                               # 2048
+    c.close()                                         # 3 idle > max_idle: the oldest (a) goes
+    assert pool.idle() == [b, c]
+    small = S.SessionPool(model, max_idle=10, max_idle_bytes=1000)
+    xs = [small.take(n) for n in (200, 400, 1000)]   # 256, 512, 1024 "bytes"
+    for x in xs:
+        x.close()
+    assert small.idle() == [xs[2]]                    # over the byte cap: oldest first, one kept
+    model.oom = 1
+    d = pool.take(5000)                               # OOM once: idle ones dropped, retried
+    assert d.capacity == 8192 and pool.idle() == []
+    model.oom = 1
+    with pytest.raises(Exception) as err:
+        pool.take(100)
+    assert type(err.value).__name__ == "OutOfMemoryError"                                # OOM with nothing idle: raised
+
+
+def test_generate_sessions_on_reference(tiny_model_path):
+    """engine.generate over ReferenceModel goes through engine.session.ForwardSession: the same
+    tokens as stepping forward by hand, real margins, Step.logits only with need_logits."""
+    from engine.generate import generate, generate_steps
+    from engine.reference.model import ReferenceModel
+    from engine.session import ForwardSession, open_session
+
+    ref = ReferenceModel.from_path(tiny_model_path)
+    ids = [5, 9, 200, 31]
+    s = open_session(ref, 10)
+    assert isinstance(s, ForwardSession) and s.capacity == 10
+    cache = ref.new_cache(10)
+    logits = ref.forward(ids, cache)
+    want = []
+    for _ in range(5):
+        want.append(int(np.argmax(logits)))
+        logits = ref.forward([want[-1]], cache)
+    g = generate(ref, ids, 5)
+    assert g.tokens == want and all(m >= 0 for m in g.margins) and g.stop_reason == "length"
+    steps = list(generate_steps(ref, ids, 3, need_logits=True))
+    assert [st.token for st in steps] == want[:3]
+    assert all(st.logits is not None and int(np.argmax(st.logits)) == st.token for st in steps)
+    assert all(st.logits is None for st in generate_steps(ref, ids, 2))
+    e = generate(ref, ids, 5, eog_ids=[want[2]])
+    assert e.tokens == want[:2] and e.stop_reason == "eog"
+    z = generate(ref, ids, 0)
+    assert z.tokens == [] and z.stop_reason == "length" and z.prompt_ms > 0

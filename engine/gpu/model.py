@@ -1,8 +1,13 @@
 """The GPU backend: the forward of engine/reference/model.py over CUDA kernels, KV cache on the device.
 
-Same interface as engine.reference.model.ReferenceModel (docs/ARCHITECTURE.md, Backend protocol):
-`config`, `device = "gpu"`, `new_cache(max_tokens)`, `forward(ids, cache, all_logits=False)`
--> numpy float32 logits ([vocab] for the last token, [n, vocab] with all_logits).
+One weight set on the device serves both modes:
+- prefill (this module): `forward(ids, cache, all_logits=False)` -> numpy float32 logits
+  ([vocab] for the last token, [n, vocab] with all_logits), `forward_device` (the same, left
+  on the device); any number of tokens, always these kernels;
+- decode (engine/gpu/decode.py): one token per step through a CUDA graph, driven by a
+  generation session, `session(n_tokens)` -> engine.gpu.session.GPUSession (the Session
+  protocol of engine/session.py), taken from a pool of sessions by size bucket.
+`new_cache(max_tokens)` -> engine.gpu.kv_cache.GPUKVCache, the one KV cache class of both.
 
 A prompt runs in ubatches of at most `ubatch` tokens (default 4096); per ubatch of T tokens
 at positions start.. (x: [T, d] float32 residual stream, A: q8_1 activations):
@@ -25,10 +30,14 @@ at positions start.. (x: [T, d] float32 residual stream, A: q8_1 activations):
 Numerics: weights are the GGUF blocks (no dequantized copies); every GEMM input is q8_1
 (int8 + per-32 scale, like llama.cpp's MMQ); Q, K, V and P are f16 in attention with f32
 accumulation and an f32 online softmax; everything else is float32. The KV cache is f16
-[n_layers, n_kv_heads, max_tokens, head_dim] (cache.k / cache.v).
+[n_layers, n_kv_heads, max_tokens, head_dim] (engine/gpu/kv_cache.py).
 
-Timing: `profile(kinds)` attaches an OpTimer that records CUDA events around every launch
-(bench --breakdown); without it nothing is recorded.
+Weights: each fused group (_Seg) is one device matrix; `_Layer.roles` holds per-role views
+into them (no copies) for the decode GEMVs, and the q/k/v biases are one array
+(`qkv_bias`, decode) with `bq`/`bk`/`bv` views of it (prefill).
+
+Timing: `profile(timer)` attaches an engine.gpu.profiler.OpTimer that records CUDA events
+around every launch (bench --breakdown); without it nothing is recorded.
 """
 from __future__ import annotations
 
@@ -41,9 +50,10 @@ from typing import Sequence
 import numpy as np
 
 from engine.gpu import ops
-from engine.formats.config import ModelConfig
 from engine.errors import GGUFError
 from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
+from engine.gpu.kv_cache import GPUKVCache
+from engine.gpu.profiler import OpTimer
 
 DEFAULT_UBATCH = 4096
 _NULL = nullcontext()
@@ -53,82 +63,6 @@ def _cp():
     import cupy
 
     return cupy
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-class GPUKVCache:
-    """K and V on the device: f16 [n_layers, n_kv_heads, max_tokens, head_dim] each; the
-    first `length` tokens are filled."""
-
-    def __init__(self, cfg: ModelConfig, max_tokens: int):
-        cp = _cp()
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        shape = (cfg.n_layers, cfg.n_kv_heads, max_tokens, cfg.head_dim)
-        self.k = cp.zeros(shape, dtype=cp.float16)
-        self.v = cp.zeros(shape, dtype=cp.float16)
-        self.max_tokens = max_tokens
-        self.length = 0
-        self.plan = None          # engine.gpu.decode attaches its decode plan here
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
-
-    def decode_kv(self):
-        """(k_layers, v_layers, tok_stride, head_stride, kv_dtype, max_tokens) for
-        engine.gpu.decode.decode_plan: element (t, kvh, i) at t*tok_stride + kvh*head_stride + i."""
-        hd = int(self.k.shape[3])
-        return ([self.k[i] for i in range(self.k.shape[0])], [self.v[i] for i in range(self.v.shape[0])],
-                hd, self.max_tokens * hd, "f16", self.max_tokens)
-
-
-# ----------------------------------------------------------------------------- op timing
-
-class OpTimer:
-    """CUDA events around every launch, summed per op kind after a synchronize."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, object, object]] = []
-
-    def span(self, kind: str):
-        return _Span(self, kind)
-
-    def totals_ms(self) -> dict[str, float]:
-        cp = _cp()
-        if self.spans:
-            self.spans[-1][2].synchronize()
-        out: dict[str, float] = {}
-        for kind, a, b in self.spans:
-            out[kind] = out.get(kind, 0.0) + cp.cuda.get_elapsed_time(a, b)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for kind, _, _ in self.spans:
-            out[kind] = out.get(kind, 0) + 1
-        return out
-
-
-class _Span:
-    __slots__ = ("timer", "kind", "a")
-
-    def __init__(self, timer: OpTimer, kind: str):
-        self.timer, self.kind = timer, kind
-
-    def __enter__(self):
-        cp = _cp()
-        self.a = cp.cuda.Event()
-        self.a.record()
-        return self
-
-    def __exit__(self, *exc):
-        cp = _cp()
-        b = cp.cuda.Event()
-        b.record()
-        self.timer.spans.append((self.kind, self.a, b))
-        return False
 
 
 # ----------------------------------------------------------------------------- weights
@@ -145,12 +79,28 @@ class _Layer:
     attn_norm: object
     ffn_norm: object
     qkv: list                  # [_Seg] covering attn_q, attn_k, attn_v in order
-    bq: object
+    bq: object                 # views of qkv_bias (or None)
     bk: object
     bv: object
     wo: object
     gate_up: list              # [_Seg] covering ffn_gate, ffn_up
     down: object
+    roles: dict                # attn_q/k/v, ffn_gate/up -> DeviceWeight views into the _Segs
+    qkv_bias: object = None    # float32 [q_dim + 2 kv_dim] or None
+
+
+def _role_views(segs: list[_Seg], rows: dict[str, int]) -> dict:
+    """role -> DeviceWeight over that role's rows of its fused group (views, no copies)."""
+    from engine.gpu.weights import DeviceWeight
+
+    out = {}
+    for s in segs:
+        r0 = 0
+        for r in s.roles:
+            n = rows[r]
+            out[r] = DeviceWeight(s.w.ggml_type, n, s.w.cols, s.w.data[r0:r0 + n], s.w.padded)
+            r0 += n
+    return out
 
 
 def _groups(roles, types):
@@ -168,7 +118,6 @@ class GPUModel:
     """The GPU backend (see the module docstring)."""
 
     device = "gpu"
-    decode_graph = True       # single-token forwards go through engine.gpu.decode's graph
 
     def __init__(self, model: ModelFile, progress: bool = False, ubatch: int = DEFAULT_UBATCH,
                  pad_q6k: bool = True):
@@ -225,20 +174,30 @@ class GPUModel:
             types = [model.tensor(layer_name(i, r)).type_name for r in roles]
             return [_Seg(mat([layer_name(i, r) for r in rs]), tuple(rs)) for _, rs in _groups(roles, types)]
 
+        def qkv_bias(i: int):
+            """One float32 array [q_dim + 2 kv_dim] (a missing part: zeros) and its three views."""
+            names = [layer_name(i, r, "bias") for r in ("attn_q", "attn_k", "attn_v")]
+            if not any(model.has(n) for n in names):
+                return None, (None, None, None)
+            parts = [np.asarray(model.tensor(n).data, dtype=np.float32) if model.has(n)
+                     else np.zeros(c, np.float32) for n, c in zip(names, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
+            b = cp.asarray(np.concatenate(parts))
+            self.resident_bytes += int(b.nbytes)
+            qd, kvd = cfg.q_dim, cfg.kv_dim
+            return b, (b[:qd], b[qd:qd + kvd], b[qd + kvd:])
+
         self.embed_w = mat(["token_embd.weight"])
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layers):
-            biases = {}
-            for r in ("attn_q", "attn_k", "attn_v"):
-                name = layer_name(i, r, "bias")
-                biases[r] = vec(name) if model.has(name) else None
+            bias, (bq, bk, bv) = qkv_bias(i)
+            qkv, gate_up = segs(i, ("attn_q", "attn_k", "attn_v")), segs(i, ("ffn_gate", "ffn_up"))
             self.layers.append(_Layer(
                 attn_norm=vec(layer_name(i, "attn_norm")), ffn_norm=vec(layer_name(i, "ffn_norm")),
-                qkv=segs(i, ("attn_q", "attn_k", "attn_v")),
-                bq=biases["attn_q"], bk=biases["attn_k"], bv=biases["attn_v"],
+                qkv=qkv, bq=bq, bk=bk, bv=bv,
                 wo=mat([layer_name(i, "attn_output")]),
-                gate_up=segs(i, ("ffn_gate", "ffn_up")),
-                down=mat([layer_name(i, "ffn_down")])))
+                gate_up=gate_up,
+                down=mat([layer_name(i, "ffn_down")]),
+                roles=_role_views(qkv + gate_up, self._role_rows()), qkv_bias=bias))
         self.output_norm = vec("output_norm.weight")
         self.output_w = self.embed_w if cfg.tied_output else mat(["output.weight"])
         cp.cuda.Device().synchronize()
@@ -246,7 +205,7 @@ class GPUModel:
         self.file_bytes = total_bytes
         self._rope_cos = self._rope_sin = None
         self._timer: OpTimer | None = None
-        self._decode_weights = None
+        self._sessions = None     # engine.gpu.session.SessionPool, made on the first session()
         if progress:
             print(f"\rloaded {model.path} to the GPU in {self.load_seconds:.1f} s: "
                   f"{self.resident_bytes / 2**30:.3f} GiB resident "
@@ -262,6 +221,27 @@ class GPUModel:
     def new_cache(self, max_tokens: int) -> GPUKVCache:
         return GPUKVCache(self.config, max_tokens)
 
+    def session(self, n_tokens: int):
+        """A generation session (engine.gpu.session.GPUSession) holding at least n_tokens,
+        from the model's pool: its decode graph is captured once and reused; close() (or a
+        `with` block) gives it back."""
+        if self._sessions is None:
+            from engine.gpu.session import SessionPool
+
+            self._sessions = SessionPool(self)
+        return self._sessions.take(n_tokens)
+
+    def rope_tables(self, n_pos: int):
+        """Device cos, sin float32 [>= n_pos, head_dim/2] (engine.formats.rope). A longer table
+        replaces them later; holders of the old arrays keep valid ones."""
+        self._ensure_rope(n_pos)
+        return self._rope_cos, self._rope_sin
+
+    def _role_rows(self) -> dict[str, int]:
+        cfg = self.config
+        return {"attn_q": cfg.q_dim, "attn_k": cfg.kv_dim, "attn_v": cfg.kv_dim,
+                "ffn_gate": cfg.d_ff, "ffn_up": cfg.d_ff}
+
     def check_ids(self, ids: Sequence[int], cache: GPUKVCache) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -276,10 +256,7 @@ class GPUModel:
         return ids
 
     def forward(self, ids: Sequence[int], cache: GPUKVCache, all_logits: bool = False) -> np.ndarray:
-        if len(ids) == 1 and not all_logits and self.decode_graph:   # a decode step: CUDA graph
-            from engine.gpu.decode import decode_step
-
-            return decode_step(self, ids, cache)
+        """Prefill kernels for any number of tokens (decoding goes through session())."""
         out = self.forward_device(ids, cache, all_logits)
         return _cp().asnumpy(out)
 
@@ -364,9 +341,9 @@ class GPUModel:
             (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
             with self._span("rope_kv"):
                 ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
-                           cache.k[i], cache.v[i], start, neox, H, KVH, hd)
+                           cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd)
             with self._span("attention"):
-                ops.attention.attention_prefill(qh, cache.k[i], cache.v[i], start, out_act=a_q)
+                ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q)
             self._gemm(L.wo, a_q, out=y)
             with self._span("rmsnorm_q8"):
                 ops.norm.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)
@@ -400,40 +377,3 @@ class GPUModel:
                 out[r] = (y[:, c:c + role_cols[r]], ld)
                 c += role_cols[r]
         return out
-
-    # ------------------------------------------------------------------ decode hand-off
-
-    def decode_weights(self):
-        """engine.gpu.decode.DecodeWeights over this model's device weights (views, no copies)."""
-        if self._decode_weights is None:
-            from engine.gpu import decode as GD
-            from engine.gpu.weights import DeviceWeight
-
-            cfg = self.config
-
-            def role_weights(segs):
-                out = {}
-                for s in segs:
-                    r0 = 0
-                    for r in s.roles:
-                        rows = {"attn_q": cfg.q_dim, "attn_k": cfg.kv_dim, "attn_v": cfg.kv_dim,
-                                "ffn_gate": cfg.d_ff, "ffn_up": cfg.d_ff}[r]
-                        out[r] = DeviceWeight(s.w.ggml_type, rows, s.w.cols, s.w.data[r0:r0 + rows], s.w.padded)
-                        r0 += rows
-                return out
-
-            cp = _cp()
-            layers = []
-            for L in self.layers:
-                rw = role_weights(L.qkv)
-                rw.update(role_weights(L.gate_up))
-                bias = None if L.bq is None else cp.concatenate([L.bq, L.bk, L.bv])
-                layers.append(GD.DecodeLayer(attn_norm=L.attn_norm, ffn_norm=L.ffn_norm,
-                                             attn_q=rw["attn_q"], attn_k=rw["attn_k"], attn_v=rw["attn_v"],
-                                             attn_output=L.wo, ffn_gate=rw["ffn_gate"], ffn_up=rw["ffn_up"],
-                                             ffn_down=L.down, qkv_bias=bias))
-            e = self.embed_w
-            embed = GD.EmbedTable(e.data, e.type_name, e.cols, e.block_stride)
-            self._decode_weights = GD.DecodeWeights(cfg, embed, layers, self.output_norm, self.output_w,
-                                                    self.resident_bytes)
-        return self._decode_weights

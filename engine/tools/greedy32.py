@@ -104,7 +104,7 @@ def record(model, cases: list[dict], eog_ids, out_path: str | os.PathLike, sourc
     """Write goldens in the same format from this engine's own free-run decoding."""
     greedy = []
     for c in cases:
-        gen = generate(model, c["prompt_ids"], 32, eog_ids)
+        gen = generate(model, c["prompt_ids"], 32, eog_ids, need_logits=True)   # margins
         greedy.append({"prompt": c.get("prompt", ""), "prompt_ids": list(c["prompt_ids"]),
                        "tokens": gen.tokens, "top_logit": [round(x, 4) for x in gen.top_logits],
                        "margin": [round(x, 4) for x in gen.margins]})
