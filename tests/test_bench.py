@@ -65,6 +65,30 @@ def test_usage_errors_exit_2(tiny_model_path, argv, capsys):
     assert err.startswith("gguf-prefill bench: error:") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv", [["-p", "8", "-n", "4"], ["-p", "8", "--breakdown"]])
+def test_gpu_only_options_rejected_before_loading(tiny_model_path, argv, monkeypatch, capsys):
+    """Issue 15: a CPU run asking for tg rows or a breakdown fails before the model loads."""
+    import engine.loader
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(engine.loader, "load_model", no_load)
+    assert cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", *argv]) == 2
+    assert "gguf-prefill bench: error:" in capsys.readouterr().err
+
+
+def test_cpu_reports_real_load_time(tiny_model_path, capsys):
+    """Issue 15: the CPU backend has no load_seconds of its own; bench times the load itself."""
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", "-p", "8", "-r", "1", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["load_seconds"] > 0
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", "-p", "8", "-r", "1"])
+    out = capsys.readouterr().out
+    assert "; load " in out and "; load 0.00 s" not in out
+
+
 def test_breakdown_format_and_categories():
     b = bench.Breakdown("pp512", total_ms=10.0, plain_ms=9.5,
                         ops={"gemm_q4_k": 6.0, "gemm_q6_k": 1.5, "gemm_output_q6_k": 0.1, "attention": 1.0,

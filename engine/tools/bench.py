@@ -14,7 +14,11 @@ every launch; the time is summed per op kind (ms and % of the instrumented forwa
 up into q4_K GEMMs, q6_K GEMMs, attention, norms/rope/rest, activation quantization. The
 rmsnorm and SwiGLU kernels quantize their own output to q8_1 (fused), so "activation
 quantization" is those fused kernels; attention's q8_1 output is inside "attention".
-tg rows (-n) use engine.gpu.decode.bench_decode when that module is present.
+tg rows (-n, GPU): engine.gpu.decode.bench_decode, back-to-back replays of the decode graph of
+one session sized depth + n + 1, timed with CUDA events (only token ids come back).
+
+Arguments are checked before the model loads (a CPU run asking for -n or --breakdown fails at
+once); the load time printed is the wall time of loading the backend.
 """
 from __future__ import annotations
 
@@ -194,10 +198,8 @@ def bench_pp(model, n_prompt: int, depth: int = 0, reps: int = 5, seed: int = 0)
 def bench_tg(model, n_gen: int, depth: int = 0, reps: int = 5) -> Row:
     if getattr(model, "device", "cpu") != "gpu":
         raise UsageError("tg rows (-n) need the GPU decode path (--device gpu)")
-    try:
-        from engine.gpu.decode import bench_decode
-    except ImportError as e:
-        raise UsageError(f"tg rows (-n) need engine.gpu.decode, which is not available ({e})") from None
+    from engine.gpu.decode import bench_decode
+
     ts = [float(v) for v in bench_decode(model, n_gen=n_gen, depth=depth, reps=reps)]
     test = f"tg{n_gen}" + (f" @ d{depth}" if depth else "")
     return Row(test, 0, n_gen, depth, ts, [n_gen / t * 1e3 for t in ts], _backend(model))
@@ -205,7 +207,7 @@ def bench_tg(model, n_gen: int, depth: int = 0, reps: int = 5) -> Row:
 
 def breakdown_pp(model, n_prompt: int, depth: int = 0, plain_ms: float = 0.0, seed: int = 0) -> Breakdown:
     """One instrumented prefill (after the timed ones): per-op-kind CUDA event totals."""
-    from engine.gpu.model import OpTimer
+    from engine.gpu.profiler import OpTimer
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, model.config.vocab_size, depth + n_prompt).tolist()
@@ -279,6 +281,17 @@ def to_json(info: ModelInfo, rows: list[Row], breakdowns: list[Breakdown], extra
 
 # ----------------------------------------------------------------------------- main
 
+def _will_use_gpu(device: str) -> bool:
+    """Whether load_model(path, device) picks the GPU backend (engine.loader's rule)."""
+    if device == "gpu":
+        return True
+    if device == "cpu":
+        return False
+    from engine.loader import gpu_available
+
+    return gpu_available()
+
+
 def main(args) -> int:
     from engine.tools.fetch import resolve_model
     from engine.loader import load_model
@@ -291,13 +304,15 @@ def main(args) -> int:
     if not prompts and not gens:
         raise UsageError("nothing to run: give -p and/or -n with a value > 0")
     device = getattr(args, "device", "auto") or "auto"
+    if (args.breakdown or gens) and not _will_use_gpu(device):
+        what = "--breakdown needs the GPU backend (CUDA events around every launch)" if args.breakdown \
+            else "tg rows (-n) need the GPU decode path (--device gpu)"
+        raise UsageError(what + ("" if device == "cpu" else "; no GPU found"))
     path = resolve_model(args.model)
     info = model_info(path)
+    t0 = time.perf_counter()
     model = load_model(path, device=device, progress=True)
-    if args.breakdown and getattr(model, "device", "cpu") != "gpu":
-        raise UsageError("--breakdown needs the GPU backend (CUDA events around every launch)")
-    if gens and getattr(model, "device", "cpu") != "gpu":
-        raise UsageError("tg rows (-n) need the GPU decode path (--device gpu)")
+    load_s = time.perf_counter() - t0
     rows: list[Row] = []
     breakdowns: list[Breakdown] = []
     for d in depths:
@@ -310,7 +325,7 @@ def main(args) -> int:
         for n in gens:
             rows.append(bench_tg(model, n, d, args.r))
     extra = {"backend": _backend(model), "reps": args.r,
-             "load_seconds": getattr(model, "load_seconds", None),
+             "load_seconds": load_s,
              "resident_bytes": getattr(model, "resident_bytes", None)}
     if args.json:
         print(to_json(info, rows, breakdowns, extra))
@@ -321,5 +336,5 @@ def main(args) -> int:
         rb = extra["resident_bytes"]
         if rb:
             print(f"\nresident weights {rb / 2**30:.3f} GiB = {rb / info.size_bytes:.3f}x the file's "
-                  f"tensor data ({info.size_str}); load {extra['load_seconds'] or 0:.1f} s")
+                  f"tensor data ({info.size_str}); load {extra['load_seconds']:.2f} s")
     return 0
