@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device run for the GPU decode path (issue 7): decode tests, tg128 on a synthetic llama2-7b,
-# the bench verb's tg rows through GPUModel, a short table last. Logs and JSON under $OUT.
+# Device run for the GPU decode path (issues 7, 11): decode + session tests, tg128 on a synthetic
+# llama2-7b (dev/decode_bench.py: GPUModel's sessions, depths, eager, host overhead, each GEMV),
+# the bench verb's tg rows, a short table last. Logs and JSON under $OUT.
 #   run(command="bash scripts/decode_check.sh", carry=[".whl", ".gpu_data"])
 #   (or STEPS=decode bash scripts/gpu_check.sh). DECODE_STEPS="tests bench cli" selects parts.
 set -u -o pipefail
@@ -24,7 +25,7 @@ fi
 case " $STEPS " in *" tests "*)
   # two processes: a sticky CUDA error in the kernel checks cannot spoil the model checks
   for sel in "mmvq or attention or argmax or embed or rmsnorm or quantize_row or qkv_post" \
-             "logits or greedy32 or gpu_model"; do
+             "logits or greedy32 or session or sampler or greedy_never"; do
     echo "--- decode tests: $sel"
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_decode.py -k "$sel" 2>&1 \
       | tee -a "$OUT/decode_tests.log" | grep -vE "^\s*$" | tail -25
@@ -33,11 +34,10 @@ case " $STEPS " in *" tests "*)
 esac
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { echo "synth failed"; cat "$OUT/decode_synth.log"; rc=1; }; }
 case " $STEPS " in *" bench "*)
-  echo "--- tg128 (engine.gpu.decode, standalone weights)"
-  timeout 200 python3 -m engine.gpu.decode --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
-    --variants "${DECODE_VARIANTS:-R1U0,R2U0,R1U2,R1U0+combine}" \
-    --eager --kernels "${DECODE_KERNELS:-R1U0,R2U0}" --json "$OUT/decode_bench.json" 2>&1 \
-    | tee "$OUT/decode_bench.log" | grep -v "decode weights: layer"
+  echo "--- tg128 (dev/decode_bench.py over GPUModel sessions)"
+  timeout 200 python3 -m dev.decode_bench --model "$M7" -n 128 -d "${DECODE_DEPTHS:-0,3314}" -r 5 \
+    --eager --kernels --json "$OUT/decode_bench.json" 2>&1 \
+    | tee "$OUT/decode_bench.log" | tr '\r' '\n' | grep -v "^loading"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
 esac
 case " $STEPS " in *" cli "*)

@@ -20,14 +20,14 @@ def main(out: str) -> int:
     by: dict[str, list] = {}
     for r in recs:
         by.setdefault(r.get("test", "?"), []).append(r)
-    print("\n# decode (issue 7)")
+    print("\n# decode (issues 7, 11)")
     log = os.path.join(out, "decode_tests.log")
     if os.path.exists(log):
         tail = [ln.strip() for ln in open(log) if re.search(r"\d+ (passed|failed|error)", ln)]
         print("tests:", " | ".join(tail) if tail else "no pytest summary line")
     if "decode_mmvq" in by:
         rs = by["decode_mmvq"]
-        print(f"MMVQ vs oracle: {len(rs)} layout/R/mode combos passed, worst |err|/bound "
+        print(f"MMVQ vs oracle: {len(rs)} layout/mode combos passed, worst |err|/bound "
               f"{max(r['worst_err_over_bound'] for r in rs):.3f}")
     if "decode_attention" in by:
         rs = by["decode_attention"]
@@ -36,11 +36,11 @@ def main(out: str) -> int:
               f"{worst['max_err'] / worst['tol']:.3f} (H{worst['H']} KV{worst['KVH']} {worst['kv']} L{worst['L']} "
               f"S{worst['splits']})")
     for r in by.get("decode_logits", []):
-        print(f"logits vs reference: {r['model']} kv {r['kv']} {r.get('variant', '')}: {r['steps']} steps, max rel L2 "
+        print(f"logits vs reference: {r['model']} kv {r['kv']}: {r['steps']} steps, max rel L2 "
               f"{r['max_rel_l2']:.3g}, argmax agree {r['argmax_agree']}/{r['steps']} (margin>=1: {r['confident']})")
     for key in ("decode_greedy32", "decode_greedy32_gpu_model"):
         for r in by.get(key, []):
-            who = ("DecodeModel " + r.get("variant", "")) if key == "decode_greedy32" else "GPUModel+graph"
+            who = "GPUModel sessions" if key == "decode_greedy32_gpu_model" else key
             print(f"greedy-32 {who:30s} {r['model']:5s} prompt {r['prompt_len']:5d}: free run "
                   f"{r['matched']}/{r['compared']} {'ok' if r['ok'] else 'FAIL'}, teacher-forced "
                   f"{r['teacher_matched']}/{r['teacher_compared']} (of {r['golden_tokens']})")
@@ -50,21 +50,17 @@ def main(out: str) -> int:
         print(f"tg on {os.path.basename(b['model'])} ({b['size'] / 2**30:.2f} GiB file, "
               f"{b.get('resident_bytes', 0) / 2**30:.2f} GiB resident):")
         for r in b["rows"]:
-            print(f"  {r['test']:12s} {r.get('variant', ''):20s} {'graph' if r['graph'] else 'eager'}  "
+            print(f"  {r['test']:12s} {'graph' if r['graph'] else 'eager'}  "
                   f"{r['tok_s']:8.1f} ± {r['sd']:5.1f} tok/s")
         h = b.get("host")
         if h:
             print(f"  host time per step: graph {h['graph_us']:.1f} us, kernel by kernel {h['eager_us']:.1f} us "
                   f"({h['kernels_per_step']} kernels); graph build {h['graph_build_ms']:.1f} ms")
         ks = b.get("kernels") or []
-        names = sorted({k["what"] for k in ks}, key=[k["what"] for k in ks].index)
-        vs = sorted({k["variant"] for k in ks}, key=[k["variant"] for k in ks].index)
         if ks:
-            print("  GEMV us (GB/s)       " + "".join(f"{v:>16s}" for v in vs))
-            for nm in names:
-                cells = {k["variant"]: k for k in ks if k["what"] == nm}
-                print(f"  {nm:28s}" + "".join(f"{cells[v]['us']:8.1f} ({cells[v]['GB_s']:4.0f})" if v in cells
-                                             else " " * 16 for v in vs))
+            print("  GEMV                              us   GB/s")
+            for k in ks:
+                print(f"  {k['what']:28s} {k['us']:8.1f} {k['GB_s']:6.0f}")
     cl = os.path.join(out, "decode_cli_bench.log")
     if os.path.exists(cl):
         rows = [ln.rstrip() for ln in open(cl) if re.search(r"\b(pp|tg)\d+", ln)]
