@@ -25,7 +25,7 @@ fi
 case " $STEPS " in *" tests "*)
   # two processes: a sticky CUDA error in the kernel checks cannot spoil the model checks
   for sel in "mmvq or attention or argmax or embed or rmsnorm or quantize_row or qkv_post" \
-             "logits or greedy32 or session or sampler or greedy_never"; do
+             "logits or greedy32 or session or sampler or greedy_never or step_launches"; do
     echo "--- decode tests: $sel"
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_decode.py -k "$sel" 2>&1 \
       | tee -a "$OUT/decode_tests.log" | grep -vE "^\s*$" | tail -25
