@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from engine.errors import UsageError
+from engine.formats.metadata import Metadata
 from engine.formats.qtypes import QTYPES
 from engine.formats.weights import layer_name, open_model
 
@@ -23,21 +24,22 @@ _SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "padding_tok
                     "unknown_token_id", "sep_token_id", "eom_token_id")
 
 
-def _trimmed_vocab(md: dict, vocab: int) -> dict:
+def _trimmed_vocab(md: Metadata, vocab: int) -> dict:
     """Tokenizer metadata restricted to the first `vocab` tokens."""
     out = {}
-    tokens = md.get("tokenizer.ggml.tokens")
+    tokens = md.array("tokenizer.ggml.tokens", default=None, of=str)
     if tokens is None:
         return out
     kept = tokens[:vocab]
     out["tokenizer.ggml.tokens"] = kept
-    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-        if key in md:
-            out[key] = md[key][:vocab]
-    if "tokenizer.ggml.merges" in md:
+    for key, kind in (("tokenizer.ggml.token_type", int), ("tokenizer.ggml.scores", (int, float))):
+        if md.has(key):
+            out[key] = md.array(key, of=kind)[:vocab]
+    merges_in = md.array("tokenizer.ggml.merges", default=None, of=str)
+    if merges_in is not None:
         pieces = set(kept)
         merges = []
-        for m in md["tokenizer.ggml.merges"]:
+        for m in merges_in:
             a, _, b = m.partition(" ")
             if a in pieces and b in pieces and a + b in pieces:
                 merges.append(m)
@@ -59,16 +61,18 @@ def slice_model(src: str, dst: str, layers: list[int], vocab: int, ffn: int | No
         raise UsageError(f"--ffn: {ffn} must be a positive multiple of 256 up to {cfg.d_ff}")
 
     arch = cfg.arch
+    checked = Metadata(mf.metadata, mf.path)
     md = dict(mf.metadata)
-    md.update(_trimmed_vocab(md, vocab))
+    md.update(_trimmed_vocab(checked, vocab))
     md[f"{arch}.block_count"] = len(layers)
     if ffn is not None:
         md[f"{arch}.feed_forward_length"] = ffn
     for k in _SPECIAL_ID_KEYS:
         key = f"tokenizer.ggml.{k}"
-        if key in md and md[key] >= vocab:
+        if checked.integer(key, default=None) is not None and md[key] >= vocab:
             del md[key]
-    md["general.name"] = f"{md.get('general.name', 'model')} (slice: layers {layers}, vocab {vocab}, ffn {ffn or cfg.d_ff})"
+    name = checked.string("general.name", default="model")
+    md["general.name"] = f"{name} (slice: layers {layers}, vocab {vocab}, ffn {ffn or cfg.d_ff})"
 
     reader = GGUFReader(src, "r")
     types = {name: f.types for name, f in reader.fields.items()}
