@@ -124,10 +124,10 @@ def cmd_relabel(args) -> int:
     return 0
 
 
-def _load(args):
+def _load(args, model_file=None):
     from engine.loader import load_model
 
-    return load_model(_model_path(args), device=args.device, progress=True)
+    return load_model(model_file or _model_path(args), device=args.device, progress=True)
 
 
 def cmd_generate(args) -> int:
@@ -145,12 +145,15 @@ def cmd_generate(args) -> int:
         ids = tok.encode(prompt)
         if not ids:
             raise UsageError("--prompt: the text encodes to no tokens")
-    model = _load(args)
-    n_ctx = model.config.n_ctx_train
+    from engine.formats.weights import open_model
+
+    model_file = open_model(path)   # checked before the weights load (seconds for a 7B model)
+    n_ctx = model_file.config.n_ctx_train
     if len(ids) + args.n > n_ctx:
         room = f"-n can be at most {n_ctx - len(ids)}" if len(ids) < n_ctx else "no room left"
         raise UsageError(f"-n {args.n}: the prompt ({len(ids)} tokens) plus -n exceeds the model's "
                          f"context of {n_ctx} tokens ({room})")
+    model = _load(args, model_file)
     eog = tok.eog_ids if tok is not None else _eog_ids(path)
     gen = generate(model, ids, args.n, eog)
     if args.json:

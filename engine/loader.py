@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from engine.errors import GGUFError
-from engine.formats.weights import open_model
+from engine.formats.weights import ModelFile, open_model
 
 # cudaError_t values that mean "there is no GPU" rather than "the driver is missing or broken"
 _NO_DEVICE_STATUS = {100}  # cudaErrorNoDevice
@@ -44,10 +44,11 @@ def gpu_available() -> bool:
     return gpu_problem() is None
 
 
-def load_model(path: str | os.PathLike, device: str = "auto", progress: bool = False):
+def load_model(path: str | os.PathLike | ModelFile, device: str = "auto", progress: bool = False):
+    """The model on the chosen backend; `path` may be an already validated ModelFile."""
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"device must be auto, cpu or gpu, not {device!r}")
-    model_file = open_model(path)
+    model_file = path if isinstance(path, ModelFile) else open_model(path)
     use_gpu = device == "gpu"
     if device != "cpu":
         problem = gpu_problem()
