@@ -23,7 +23,9 @@ def printable(value, limit: int = MAX_SHOWN) -> str:
     if isinstance(value, (bytes, bytearray)):
         value = bytes(value).decode("utf-8", "backslashreplace")
     text = value if isinstance(value, str) else repr(value)
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    # escape only the head that can be shown (a file may hold a string of megabytes)
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                  for c in text[:limit + 1])
     if len(out) > limit:
         out = f"{out[:limit]}... ({len(text)} characters)"
     return out

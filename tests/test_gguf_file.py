@@ -341,3 +341,14 @@ def test_read_header_spans(tiny_model_path):
         assert raw[e.start:e.end] == encode_field(e.key, e.vtype, e.value, etype), e.key
     assert h.data_start % h.alignment == 0 and h.data_start >= h.info_end
     assert list(h.metadata) == list(read_metadata(tiny_model_path))
+
+
+def test_printable():
+    from engine.errors import printable
+
+    assert printable("blk.0.attn_q.weight") == "blk.0.attn_q.weight"
+    assert printable("a\x00b\nc\x1b[2J") == "a\\x00b\\nc\\x1b[2J"
+    assert printable(b"\xff\x07") == "\\xff\\x07"
+    assert printable(float("nan")) == "nan"
+    big = printable("x" * 10_000_000, limit=50)
+    assert big == "x" * 50 + "... (10000000 characters)"
