@@ -601,6 +601,7 @@ def test_session_pool_reuses_graph(cp, rng, tiny_qwen2_path):
     generate(model, p2, n)
     b = generate(model, p1, n)
     assert model._sessions.idle() == [s] and s.decode.graph is graph and model._sessions.created == 1
+    assert s.decode.times.captures == 1
     assert a.tokens == b.tokens and len(a.tokens) == n
     assert all(np.isnan(m) for m in a.margins)                   # greedy: ids (and top logit) only
     with model.session(300) as other:                            # another size bucket

@@ -34,7 +34,7 @@ attn_norm / ffn_norm / wo / down`, `output_norm`, `output_w`, `rope_tables(n)`) 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -67,9 +67,8 @@ def same_launch(a, b) -> bool:
 
 @dataclass
 class StepTimes:
-    graph_build_ms: float = 0.0
-    host_us_graph: list = field(default_factory=list)   # host time to enqueue one step, graph
-    host_us_eager: list = field(default_factory=list)   # the same, kernel by kernel
+    graph_build_ms: float = 0.0     # eager first step excluded: capture + upload
+    captures: int = 0               # graphs recorded (1 for the life of a session)
 
 
 class DecodeStep:
@@ -209,19 +208,17 @@ class DecodeStep:
         s.synchronize()
         self.graph = g
         self.times.graph_build_ms = (time.perf_counter() - t0) * 1e3
+        self.times.captures += 1
 
     def launch(self, use_graph: bool = True) -> None:
         """One step with the state already on the device (asynchronous, on self.stream).
         Without a graph yet, the step runs kernel by kernel (loading the kernels) and the
         graph is captured after it."""
-        t0 = time.perf_counter()
         with self.stream:
             if use_graph and self.graph is not None:
                 self.graph.launch(self.stream)
-                self.times.host_us_graph.append((time.perf_counter() - t0) * 1e6)
                 return
             self.enqueue()
-            self.times.host_us_eager.append((time.perf_counter() - t0) * 1e6)
         if use_graph:
             self.stream.synchronize()
             self.capture()
