@@ -343,10 +343,23 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
             raise APIError(499, "client disconnected", type="cancelled")
         return work.result()
 
-    app.add_middleware(BodyGuardMiddleware, limit=settings.max_body_bytes)
+    # outermost last: outcome counting (and crash / shutdown-deadline answers), HEAD, auth,
+    # then the body guard (413/408/400 before FastAPI parses anything)
+    app.add_middleware(BodyGuardMiddleware, limit=settings.max_body_bytes,
+                       max_chars=settings.max_input_chars, timeout=settings.body_timeout)
     app.add_middleware(AuthMiddleware, api_key=settings.api_key)
-    app.add_middleware(StatusCountMiddleware, metrics=metrics)
+    app.add_middleware(HeadMiddleware)
+    app.add_middleware(OutcomeMiddleware, metrics=metrics, lifecycle=lifecycle,
+                       label=endpoint_label)
     return app
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+def fingerprint(eng: Engine) -> str:
+    return f"gguf-prefill-{type(eng.model).__name__}-{getattr(eng.model, 'device', 'cpu')}"
 
 
 async def prompt_ids(eng: Engine, prompt) -> list[int]:

@@ -114,10 +114,11 @@ def load_engine(settings: Settings) -> Engine:
     n_ctx_train = int(model.config.n_ctx_train)
     n_ctx = settings.ctx_size or n_ctx_train
     if getattr(model, "device", "cpu") != "cpu":
-        # compile/load the kernels now (while /health says 503), for both the one-token
-        # (decode) and the many-token (prefill) paths, so the first request's timings are real
-        for n in (1, min(64, n_ctx)):
-            model.forward([0] * n, model.new_cache(n))
+        # compile/load the kernels now (while /health says 503), for both the prefill and the
+        # decode (session + graph) paths, so the first request's timings are real
+        from engine.generate import warm_up
+
+        warm_up(model, min(64, n_ctx))
     if n_ctx_train and n_ctx > n_ctx_train:
         log.warning("ctx-size %d is over the model's training context %d", n_ctx, n_ctx_train)
     log.info("loaded %s (%s backend) in %.2f s, n_ctx %d", path, type(model).__name__,
