@@ -90,7 +90,7 @@ def cmd_detokenize(args) -> int:
 def cmd_chat_template(args) -> int:
     try:
         messages = json.loads(_text(args.messages, "--messages"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:    # RecursionError: nested past the parser's depth
         raise UsageError(f"--messages: not valid JSON: {e}") from None
     tok = _tokenizer(_model_path(args))
     try:

@@ -127,14 +127,15 @@ def parse_int_list(text: str, what: str, minimum: int = 0) -> list[int]:
 
 def model_info(path: str) -> ModelInfo:
     from engine.formats.gguf_file import open_gguf
+    from engine.formats.metadata import Metadata
 
     gf = open_gguf(path)
     size = sum(t.n_bytes for t in gf.tensors.values())
     params = sum(int(np.prod(t.shape)) for t in gf.tensors.values())
-    md = gf.metadata
-    arch = md.get("general.architecture", "?")
-    ft = md.get("general.file_type")
-    ftype = FILE_TYPES.get(int(ft), f"ftype {ft}") if ft is not None else "?"
+    md = Metadata(gf.metadata, str(path))
+    arch = md.string("general.architecture", default="?")
+    ft = md.integer("general.file_type", default=None)
+    ftype = FILE_TYPES.get(ft, f"ftype {ft}") if ft is not None else "?"
     scale = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     return ModelInfo(path, f"{arch} {scale} {ftype}", size, params)
 
