@@ -7,7 +7,7 @@
 #   server test): pip download gguf fastapi uvicorn httpx --only-binary=:all: \
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
-#   STEPS="tests bench" (default) selects sections (also: sweep, ncu); add a section by writing a function
+#   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ step_tests() {
   IFS=';' read -ra groups <<< "${GPU_TESTS:-tests/}"
   for args in "${groups[@]}"; do
     echo "--- pytest -m gpu $args"
-    eval "python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $args" 2>&1 | tee -a "$OUT/pytest_gpu.log"
+    eval "timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $args" 2>&1 | tee -a "$OUT/pytest_gpu.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   done
   return $rc
@@ -75,6 +75,18 @@ step_ncu() {
   return $rc
 }
 
+# The whole-model speed rows (bench verb) on a synthetic llama2-7b q4_K_M made on the device:
+# pp512, pp3314 (prefill) and tg128 (CUDA-graph decode), medians of PERF_REPS.
+step_perf() {
+  local m=/tmp/l7b.gguf
+  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  timeout 420 python3 -m engine bench --model "$m" --device gpu -p 512,3314 -n 128 -r "${PERF_REPS:-5}" \
+      --json > "$OUT/perf.json" 2> "$OUT/perf.err"
+  local rc=$?
+  tr '\r' '\n' < "$OUT/perf.err" | grep -v '^$' | tail -8
+  return $rc
+}
+
 # GPU prefill (issue 4): kernels, whole-model logits vs the reference, bench (carry .gpu_data).
 step_prefill() {
   bash scripts/prefill_check.sh
@@ -92,4 +104,6 @@ done
 
 section summary
 python3 scripts/gpu_summary.py "$OUT" || STATUS=1
+[ -f "$OUT/pytest_gpu.log" ] && grep -E "^[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest_gpu.log"
+[ -f "$OUT/perf.err" ] && grep -E "pp512|pp3314|tg128" "$OUT/perf.err" | tail -3
 exit $STATUS
