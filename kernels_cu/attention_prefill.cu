@@ -56,11 +56,6 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ float at_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
 #else
 // ---- CPU emulation (tests/cuda_emu: one fiber per thread, __syncwarp a warp barrier) of the
 // PTX used above, from the PTX ISA fragment definitions; shared addresses are host pointers.
@@ -116,7 +111,6 @@ inline void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     __syncwarp();
 }
 inline u32 pack_f16x2(float lo, float hi) { return (u32)emu_f32_to_f16(lo) | ((u32)emu_f32_to_f16(hi) << 16); }
-inline float at_div(float a, float b) { return a / b; }
 #endif
 
 template <int HD, bool Q8>
@@ -274,7 +268,7 @@ __device__ __forceinline__ void attn_prefill_body(
         float l = lrow[r];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = at_div(1.0f, l);
+        const float inv = nf_div(1.0f, l);
         const int t = q0 + warp * 16 + g + 8 * r;
         const bool ok = t < n;
         if (!Q8) {
@@ -297,12 +291,12 @@ __device__ __forceinline__ void attn_prefill_body(
                 }
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-                const float d = at_div(amax, 127.0f);
+                const float d = nf_div(amax, 127.0f);
                 const bool zero = __float_as_int(amax) == 0;
                 int qv[8], qs = 0;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    qv[i] = zero ? 0 : (int)roundf(at_div(v[i], d));
+                    qv[i] = zero ? 0 : (int)roundf(nf_div(v[i], d));
                     qs += qv[i];
                 }
                 qs += __shfl_xor_sync(0xffffffffu, qs, 1);

@@ -1,10 +1,15 @@
 // common.cuh: shared types and device helpers for the gguf-prefill kernels.
 //
-// engine/kernels.py inlines this file in place of `#include "common.cuh"` (with #line
+// engine/gpu/kernels.py inlines this file in place of `#include "common.cuh"` (with #line
 // directives, so compiler messages point here), so the kernels need no include path and
 // CuPy's source-keyed cache sees every change. No CUDA headers are included: f16 is
 // converted with inline PTX, and the built-in NVRTC vector types (uint4, float2, ...)
-// are used.
+// are used. The float numerics (non-ftz ops, rounding policies, SiLU, q8_1 blocks, warp
+// reductions) are in numerics.cuh, included here.
+//
+// GGP_EMU (the CPU emulator, tests/cuda_emu, which includes this very file): the scalar and
+// q6_K helpers build as plain C++; the PTX-only part (async copies, tensor cores, MMQ tiling)
+// is left out (the emulator runs the MMQ GEMMs through the numpy oracle).
 //
 // Block layouts (engine/quants.py is the reference):
 //   q4_K 144 B: d f16 @0, dmin f16 @2, scales[12] @4, qs[128] @16 (chunk c = 32 bytes:
@@ -20,13 +25,19 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#include "numerics.cuh"
+
 // ---------------------------------------------------------------- scalar helpers
 
+#ifndef GGP_EMU
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+#else
+inline float f16_to_f32(u16 h) { return emu_half_bits_to_float(h); }
+#endif
 
 // Exact int -> float for |i| < 2^22 without I2F (a quarter-rate conversion on sm_90): the
 // MMA accumulates into C = MMQ_MAGIC_I, the bit pattern of 1.5*2^23, so D's bits read as a
@@ -37,6 +48,77 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
 __device__ __forceinline__ float magic_to_float(int biased) {
     return __int_as_float(biased) - MMQ_MAGIC_F;
 }
+
+// ---------------------------------------------------------------- q6_K expansion
+
+// The three pieces below are the very code of mmq_q6_k.cu's two B-staging arms, and
+// q6k_expand_check.cu runs them against each other (the closed form vs the per-element map).
+//
+// Per-element expansion (the raw 210-byte arm and the reference for the closed form):
+// element e (0..255) of a q6_K block -> centred value (-32..31).
+__device__ __forceinline__ int expand_q6_elem(const u8* ql, const u8* qh, int e) {
+    const int h = e >> 7, n = e & 127;
+    const int ql_idx = h * 64 + (n & 63);
+    const int ql_shift = (n >> 6) * 4;
+    const int qh_idx = h * 32 + (n & 31);
+    const int qh_shift = ((n >> 5) & 3) * 2;
+    const int v = ((ql[ql_idx] >> ql_shift) & 0x0F) | (((qh[qh_idx] >> qh_shift) & 0x03) << 4);
+    return v - 32;
+}
+
+// 4 packed 6-bit values (0..63, one per byte) -> 4 packed int8 (v - 32): v + 0x60 stays in
+// 0x60..0x9F (no carry between bytes), and flipping bit 7 subtracts 0x80 mod 256.
+__device__ __forceinline__ u32 center_q6x4(u32 v) {
+    return (v + 0x60606060u) ^ 0x80808080u;
+}
+
+// Closed-form expansion of one 64-element unit of a q6_K half-block from three uint4 loads.
+// For half h and l0 in {0, 16}:
+//   ql0 = ql[64h + l0 .. +15], ql1 = ql[64h + 32 + l0 .. +15], qh = qh[32h + l0 .. +15]
+// out[qq] (qq = 0..3) = the 16 centred int8 of elements n = 32*qq + l0 + i (i = 0..15):
+//   low nibble of (qq & 1 ? ql1 : ql0) shifted by 4*(qq >> 1), high 2 bits = qh >> 2*qq.
+__device__ __forceinline__ u32 q6_word(u32 qlw, u32 qhw, int qq) {
+    const u32 lo = (qlw >> (4 * (qq >> 1))) & 0x0F0F0F0Fu;
+    const u32 hi = (2 * qq <= 4) ? ((qhw << (4 - 2 * qq)) & 0x30303030u)
+                                 : ((qhw >> (2 * qq - 4)) & 0x30303030u);
+    return center_q6x4(lo | hi);
+}
+
+__device__ __forceinline__ void expand_q6_unit(const uint4& ql0, const uint4& ql1, const uint4& qh,
+                                               uint4 (&out)[4]) {
+#pragma unroll
+    for (int qq = 0; qq < 4; ++qq) {
+        const uint4& l = (qq & 1) ? ql1 : ql0;
+        out[qq].x = q6_word(l.x, qh.x, qq);
+        out[qq].y = q6_word(l.y, qh.y, qq);
+        out[qq].z = q6_word(l.z, qh.z, qq);
+        out[qq].w = q6_word(l.w, qh.w, qq);
+    }
+}
+
+// The padded arm's loads of a unit (224-byte blocks, 16-byte aligned) stay written out in
+// mmq_q6_k.cu load_b (and repeated verbatim in q6k_expand_check.cu): ql0 at blk + 64 h + l0,
+// ql1 at blk + 64 h + 32 + l0, qh at blk + 128 + 32 h + l0. A shared load helper (by
+// reference, or as offset functions) changes that kernel's machine code (dev/kernel_identity.py).
+
+// The raw arm (210-byte blocks, 2-byte aligned): 16 elements n = 32 qq + 16 l0b + i of half h
+// through expand_q6_elem (byte loads), packed like expand_q6_unit's out[qq].
+__device__ __forceinline__ uint4 expand_q6_group_raw(const u8* blk, int h, int qq, int l0b) {
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 acc4 = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int e = h * 128 + qq * 32 + 16 * l0b + 4 * j + b;
+            acc4 |= ((u32)(expand_q6_elem(blk, blk + 128, e) & 0xFF)) << (8 * b);
+        }
+        w[j] = acc4;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+#ifndef GGP_EMU   // ---- PTX only from here (see the top)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
@@ -112,69 +194,6 @@ __device__ __forceinline__ u32 f32_to_tf32(float x) {
     u32 r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return r;
-}
-
-// ---------------------------------------------------------------- q6_K expansion
-
-// Per-element expansion (the raw 210-byte arm and the reference for the closed form):
-// element e (0..255) of a q6_K block -> centred value (-32..31).
-__device__ __forceinline__ int expand_q6_elem(const u8* ql, const u8* qh, int e) {
-    const int h = e >> 7, n = e & 127;
-    const int ql_idx = h * 64 + (n & 63);
-    const int ql_shift = (n >> 6) * 4;
-    const int qh_idx = h * 32 + (n & 31);
-    const int qh_shift = ((n >> 5) & 3) * 2;
-    const int v = ((ql[ql_idx] >> ql_shift) & 0x0F) | (((qh[qh_idx] >> qh_shift) & 0x03) << 4);
-    return v - 32;
-}
-
-// 4 packed 6-bit values (0..63, one per byte) -> 4 packed int8 (v - 32): v + 0x60 stays in
-// 0x60..0x9F (no carry between bytes), and flipping bit 7 subtracts 0x80 mod 256.
-__device__ __forceinline__ u32 center_q6x4(u32 v) {
-    return (v + 0x60606060u) ^ 0x80808080u;
-}
-
-// Closed-form expansion of one 64-element unit of a q6_K half-block from three uint4 loads.
-// For half h and l0 in {0, 16}:
-//   ql0 = ql[64h + l0 .. +15], ql1 = ql[64h + 32 + l0 .. +15], qh = qh[32h + l0 .. +15]
-// out[qq] (qq = 0..3) = the 16 centred int8 of elements n = 32*qq + l0 + i (i = 0..15):
-//   low nibble of (qq & 1 ? ql1 : ql0) shifted by 4*(qq >> 1), high 2 bits = qh >> 2*qq.
-__device__ __forceinline__ u32 q6_word(u32 qlw, u32 qhw, int qq) {
-    const u32 lo = (qlw >> (4 * (qq >> 1))) & 0x0F0F0F0Fu;
-    const u32 hi = (2 * qq <= 4) ? ((qhw << (4 - 2 * qq)) & 0x30303030u)
-                                 : ((qhw >> (2 * qq - 4)) & 0x30303030u);
-    return center_q6x4(lo | hi);
-}
-
-__device__ __forceinline__ void expand_q6_unit(const uint4& ql0, const uint4& ql1, const uint4& qh,
-                                               uint4 (&out)[4]) {
-#pragma unroll
-    for (int qq = 0; qq < 4; ++qq) {
-        const uint4& l = (qq & 1) ? ql1 : ql0;
-        out[qq].x = q6_word(l.x, qh.x, qq);
-        out[qq].y = q6_word(l.y, qh.y, qq);
-        out[qq].z = q6_word(l.z, qh.z, qq);
-        out[qq].w = q6_word(l.w, qh.w, qq);
-    }
-}
-
-// The same 64 elements through expand_q6_elem (byte loads), packed like expand_q6_unit.
-__device__ __forceinline__ void expand_q6_unit_elem(const u8* blk, int h, int l0, uint4 (&out)[4]) {
-#pragma unroll
-    for (int qq = 0; qq < 4; ++qq) {
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 acc = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int e = h * 128 + qq * 32 + l0 + j * 4 + b;
-                acc |= ((u32)(expand_q6_elem(blk, blk + 128, e) & 0xFF)) << (8 * b);
-            }
-            w[j] = acc;
-        }
-        out[qq] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
 }
 
 // ---------------------------------------------------------------- MMQ tiling (shared by q4_K / q6_K)
@@ -369,3 +388,5 @@ __device__ __forceinline__ bool mmq_split_reduce(float (&acc)[MT][NT][4], const 
     if (tid == 0) Cnt[w.slot] = 0u;                 // re-armed for the next launch / replay
     return true;
 }
+
+#endif  // GGP_EMU

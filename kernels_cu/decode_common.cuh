@@ -21,24 +21,14 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 #endif
 }
 
-__device__ __forceinline__ float silu_ref(float g) {
-    return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-}
+// SiLU and the q8_1 warp block of the decode kernels: numerics.cuh in the RnFtz policy (the
+// ftz intrinsics; quantize_q8_1.cu runs the same block in RnExact, prefill swiglu.cu the same
+// SiLU in RnDivExact: merging them would change production machine code).
+__device__ __forceinline__ float silu_ref(float g) { return silu<RnFtz>(g); }
 
 // q8_1 of one 32-value block, lane i holding x_i; every lane writes its q, lane 0 writes (d, s).
-// (quantize_q8_1.cu computes the same with non-.ftz PTX so that subnormal inputs match numpy
-// too; these intrinsics also build in the CPU emulator, and decode activations are normal.)
 __device__ __forceinline__ void q8_1_warp(float x, i8* __restrict__ q, float2* __restrict__ ds) {
-    float amax = fabsf(x);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float d = __fdiv_rn(amax, 127.0f);
-    const int qi = (__float_as_int(amax) == 0) ? 0 : (int)roundf(__fdiv_rn(x, d));
-    *q = (i8)qi;
-    int qsum = qi;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, off);
-    if ((threadIdx.x & 31) == 0) *ds = make_float2(d, __fmul_rn(d, (float)qsum));
+    q8_1_warp32<RnFtz>(x, q, ds, threadIdx.x & 31);
 }
 
 // ---------------------------------------------------------------- MMVQ epilogue

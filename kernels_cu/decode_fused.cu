@@ -21,16 +21,7 @@
 #include "common.cuh"
 #include "decode_common.cuh"
 
-// float -> f16, round to nearest even (GGP_EMU: the CPU emulator of tests/cuda_emu)
-__device__ __forceinline__ u16 f32_to_f16_rn(float f) {
-#ifndef GGP_EMU
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-#else
-    return emu_f32_to_f16(f);
-#endif
-}
+// f32_to_f16_rn: numerics.cuh.
 
 // ---------------------------------------------------------------- embedding row
 

@@ -22,8 +22,10 @@
 // 2 buffers. A unit = (row, half h, l0 in {0,16}) = 64 elements 128 h + 32 qq + l0 + i:
 //   padded arm ((bstride & 15) == 0): three uint4 loads ql[64h+l0..], ql[64h+32+l0..],
 //     qh[32h+l0..] (all 16-byte aligned), prefetched into registers one stage ahead, then
-//     expand_q6_unit (closed form in registers) -> four 16-byte smem stores;
-//   raw arm (210-byte rows, 2-byte aligned): expand_q6_elem per element (byte loads).
+//     expand_q6_unit (closed form in registers) -> four 16-byte
+//     smem stores;
+//   raw arm (210-byte rows, 2-byte aligned): expand_q6_group_raw, expand_q6_elem per element
+//     (byte loads). kernels_cu/q6k_expand_check.cu runs these same functions.
 // Both arms write identical bytes, so their outputs are bit-identical.
 // sTab [KS/32][BN] float2 (dsc_lo, dsc_hi) per row and q8_1 block of the stage, 2 buffers
 // (-M dsc is formed in registers: shared-memory bandwidth is the tighter limit).
@@ -135,19 +137,9 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
                     const float d = f16_to_f32((u16)(blk[208] | (blk[209] << 8)));
 #pragma unroll 1
                     for (int qq = 0; qq < 4; ++qq) {
-                        u32 w[4];
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            u32 acc4 = 0;
-#pragma unroll
-                            for (int b = 0; b < 4; ++b) {
-                                const int e = h * 128 + qq * 32 + 16 * l0b + 4 * j + b;
-                                acc4 |= ((u32)(expand_q6_elem(blk, blk + 128, e) & 0xFF)) << (8 * b);
-                            }
-                            w[j] = acc4;
-                        }
+                        const uint4 v = expand_q6_group_raw(blk, h, qq, l0b);
                         const int ch = 8 * hs + 2 * qq + l0b;
-                        st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), make_uint4(w[0], w[1], w[2], w[3]));
+                        st_shared_v4(rowB + ((ch ^ (row & 7)) << 4), v);
                         const float dsc = d * (float)(int)(i8)blk[192 + 8 * h + 2 * qq + l0b];
                         tab[2 * ((4 * hs + qq) * BN + row) + l0b] = dsc;
                     }

@@ -20,26 +20,6 @@
 #define RN_THREADS 256
 #define RN_MAXJ 8            // K <= 8 * 1024
 
-#ifndef GGP_EMU
-__device__ __forceinline__ float rn_add(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float rn_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-#else   // CPU emulation (tests/cuda_emu)
-inline float rn_add(float a, float b) { return a + b; }
-inline float rn_div(float a, float b) { return a / b; }
-#endif
-
-__device__ __forceinline__ int rn_q(float v, float d, bool zero) {
-    return zero ? 0 : (int)roundf(rn_div(v, d));
-}
-
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
 add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                  i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout,
@@ -58,10 +38,10 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
             float4 a = xr[i];
             if (yr) {
                 const float4 b = yr[i];
-                a.x = rn_add(a.x, b.x);
-                a.y = rn_add(a.y, b.y);
-                a.z = rn_add(a.z, b.z);
-                a.w = rn_add(a.w, b.w);
+                a.x = nf_add(a.x, b.x);
+                a.y = nf_add(a.y, b.y);
+                a.z = nf_add(a.z, b.z);
+                a.w = nf_add(a.w, b.w);
                 xr[i] = a;
             }
             v[j] = a;
@@ -78,7 +58,7 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
     float tot = 0.0f;
 #pragma unroll
     for (int i = 0; i < RN_THREADS / 32; ++i) tot += red[i];
-    const float scale = rn_div(1.0f, sqrtf(rn_div(tot, (float)K) + eps));
+    const float scale = nf_div(1.0f, sqrtf(nf_div(tot, (float)K) + eps));
     u32* qr = reinterpret_cast<u32*>(q + (size_t)r * K);
     float2* dsr = ds + (size_t)r * (K >> 5);
     const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -93,18 +73,11 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
             h.z = __fmul_rn(__fmul_rn(v[j].z, scale), wv.z);
             h.w = __fmul_rn(__fmul_rn(v[j].w, scale), wv.w);
             if (hout) reinterpret_cast<float4*>(hout + (size_t)r * K)[i] = h;
-            float amax = fmaxf(fmaxf(fabsf(h.x), fabsf(h.y)), fmaxf(fabsf(h.z), fabsf(h.w)));
-#pragma unroll
-            for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-            const float d = rn_div(amax, 127.0f);
-            const bool zero = __float_as_int(amax) == 0;
-            const int q0 = rn_q(h.x, d, zero), q1 = rn_q(h.y, d, zero);
-            const int q2 = rn_q(h.z, d, zero), q3 = rn_q(h.w, d, zero);
-            int qs = q0 + q1 + q2 + q3;
-#pragma unroll
-            for (int off = 4; off > 0; off >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, off);
-            qr[i] = (u32)(q0 & 0xFF) | ((u32)(q1 & 0xFF) << 8) | ((u32)(q2 & 0xFF) << 16) | ((u32)(q3 & 0xFF) << 24);
-            if ((lane & 7) == 0) dsr[i >> 3] = make_float2(d, __fmul_rn(d, (float)qs));
+            float d;
+            int qv[4], qs;
+            q8_1_quad<RnDivExact>(h.x, h.y, h.z, h.w, qv, d, qs);
+            qr[i] = pack_i8x4(qv);
+            if ((lane & 7) == 0) dsr[i >> 3] = make_float2(d, RnDivExact::mul(d, (float)qs));
         }
     }
 }

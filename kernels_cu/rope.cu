@@ -17,15 +17,7 @@
 // Grid: (ceil(P / 256), n), P = (H + 2 KVH) * HD/2 pairs per token: q pairs, k pairs, v pairs.
 #include "common.cuh"
 
-#ifndef GGP_EMU
-__device__ __forceinline__ u16 f32_to_f16(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#else   // CPU emulation (tests/cuda_emu)
-inline u16 f32_to_f16(float f) { return emu_f32_to_f16(f); }
-#endif
+// f32_to_f16_rn (cvt.rn.f16.f32): numerics.cuh.
 
 extern "C" __global__ void __launch_bounds__(256)
 qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float* __restrict__ vp,
@@ -48,8 +40,8 @@ qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float
             v1 = __fadd_rn(v1, bv[hh * HD + e + 1]);
         }
         u16* dst = vc + ((size_t)hh * maxT + start + t) * HD + e;
-        dst[0] = f32_to_f16(v0);
-        dst[1] = f32_to_f16(v1);
+        dst[0] = f32_to_f16_rn(v0);
+        dst[1] = f32_to_f16_rn(v1);
         return;
     }
     const bool isq = i < nq;
@@ -69,11 +61,11 @@ qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float
     float o1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
     if (isq) {
         u16* dst = qout + ((size_t)hh * n + t) * HD;
-        dst[e0] = f32_to_f16(__fmul_rn(o0, qscale));
-        dst[e1] = f32_to_f16(__fmul_rn(o1, qscale));
+        dst[e0] = f32_to_f16_rn(__fmul_rn(o0, qscale));
+        dst[e1] = f32_to_f16_rn(__fmul_rn(o1, qscale));
     } else {
         u16* dst = kc + ((size_t)hh * maxT + start + t) * HD;
-        dst[e0] = f32_to_f16(o0);
-        dst[e1] = f32_to_f16(o1);
+        dst[e0] = f32_to_f16_rn(o0);
+        dst[e1] = f32_to_f16_rn(o1);
     }
 }

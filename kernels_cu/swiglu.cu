@@ -10,26 +10,13 @@
 // 4; lanes past n4 take part with zeros and store nothing). Block 256 threads.
 #include "common.cuh"
 
-#ifndef GGP_EMU
-__device__ __forceinline__ float sw_add(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float sw_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-#else   // CPU emulation (tests/cuda_emu)
-inline float sw_add(float a, float b) { return a + b; }
-inline float sw_div(float a, float b) { return a / b; }
-#endif
-
+// silu in the RnDivExact policy (numerics.cuh: non-ftz add / div), then the ftz product.
 __device__ __forceinline__ float sw_silu_mul(float g, float u) {
-    return __fmul_rn(sw_div(g, sw_add(1.0f, expf(-g))), u);
+    return __fmul_rn(silu<RnDivExact>(g), u);
 }
 
+// The q8_1 block below is rmsnorm.cu's (numerics.cuh q8_1_quad<RnDivExact>) written out:
+// through the shared helper this kernel's machine code changes (dev/kernel_identity.py).
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F,
             i8* __restrict__ q, float2* __restrict__ ds, long long n4) {
@@ -49,12 +36,12 @@ swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long 
     float amax = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float d = sw_div(amax, 127.0f);
+    const float d = nf_div(amax, 127.0f);
     const bool zero = __float_as_int(amax) == 0;
     int qv[4], qs = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        qv[k] = zero ? 0 : (int)roundf(sw_div(h[k], d));
+        qv[k] = zero ? 0 : (int)roundf(nf_div(h[k], d));
         qs += qv[k];
     }
 #pragma unroll

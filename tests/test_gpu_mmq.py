@@ -105,20 +105,24 @@ def test_quantize_q8_1_identical(cp, rng, T, K):
 # ----------------------------------------------------------------------------- q6_K expansion
 
 def test_q6k_closed_form_expansion(cp, rng):
+    """The seed's gate on the production code: mmq_q6_k.cu's padded arm (q6_load_unit +
+    expand_q6_unit, closed form) and raw arm (expand_q6_group_raw, per-element byte map), run by
+    q6k_expand_check.cu on the same blocks, agree byte for byte, and with numpy's q6_k_fields."""
     from engine.gpu.ops.checks import q6k_expand_check
 
     nblocks = 4096                                          # 1,048,576 elements
     raw = rand_rows(rng, "q6_k", nblocks, Q.QK_K)           # [nblocks, 210]
     padded = Q.repack_q6_k_padded(raw)
-    closed, elem = q6k_expand_check(cp.asarray(padded))
+    closed, elem = q6k_expand_check(cp.asarray(padded), cp.asarray(np.ascontiguousarray(raw)))
     closed, elem = cp.asnumpy(closed), cp.asnumpy(elem)
     _, _, qref = Q.q6_k_fields(raw)
     mism = int((closed != elem).sum())
     mism_ref = int((closed != qref).sum())
-    _report(test="q6k_expand", elements=int(closed.size), closed_vs_elem_mismatches=mism,
-            closed_vs_numpy_mismatches=mism_ref)
+    mism_raw_ref = int((elem != qref).sum())
+    _report(test="q6k_expand", elements=int(closed.size), closed_vs_raw_arm_mismatches=mism,
+            closed_vs_numpy_mismatches=mism_ref, raw_arm_vs_numpy_mismatches=mism_raw_ref)
     assert closed.size >= 512_000
-    assert mism == 0 and mism_ref == 0, (mism, mism_ref)
+    assert mism == 0 and mism_ref == 0 and mism_raw_ref == 0, (mism, mism_ref, mism_raw_ref)
 
 
 # ----------------------------------------------------------------------------- MMQ

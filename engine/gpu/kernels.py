@@ -1,9 +1,9 @@
 """Load kernels_cu/*.cu, compile them with NVRTC through CuPy (per device, cached), and a
 CPU-only compile check with the same source assembly, options and template instances.
 
-Source assembly: each .cu file includes the kernels_cu headers it uses (numerics.cuh, the
-shared numerics, in every one); each `#include "X.cuh"` of a kernels_cu header is replaced by the header's
-text between `#line` directives, so compiler messages name the real file and line, no include
+Source assembly: each .cu file includes common.cuh (which includes numerics.cuh, the shared
+float numerics) and the other kernels_cu headers it uses; each `#include "X.cuh"` of a kernels_cu
+header is replaced, recursively and once per header, by the header's text between `#line` directives, so compiler messages name the real file and line, no include
 path is needed, and CuPy's source-keyed kernel cache sees header edits.
 
 Run time: `get_kernel(file, name)` -> cupy.RawKernel, compiled on first use for the current
@@ -69,20 +69,27 @@ def kernel_files() -> list[str]:
 
 
 def source(fname: str) -> str:
-    """The assembled source of kernels_cu/<fname> (its kernels_cu headers inlined with #line)."""
-    path = KERNEL_DIR / fname
-    out = [f'#line 1 "{path}"']
-    inc = re.compile(r'^\s*#\s*include\s+"([\w.]+\.cuh)"')
+    """The assembled source of kernels_cu/<fname>: its kernels_cu headers inlined with #line,
+    recursively (common.cuh includes numerics.cuh), each header once (the first include)."""
+    out: list[str] = []
+    _inline(KERNEL_DIR / fname, out, set())
+    return "\n".join(out) + "\n"
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+\.cuh)"')
+
+
+def _inline(path: Path, out: list[str], seen: set[str]) -> None:
+    out.append(f'#line 1 "{path}"')
     for i, line in enumerate(path.read_text().splitlines()):
-        m = inc.match(line)
+        m = _INCLUDE.match(line)
         if m:
-            header_path = KERNEL_DIR / m.group(1)
-            out.append(f'#line 1 "{header_path}"')
-            out.extend(header_path.read_text().splitlines())
+            if m.group(1) not in seen:
+                seen.add(m.group(1))
+                _inline(KERNEL_DIR / m.group(1), out, seen)
             out.append(f'#line {i + 2} "{path}"')
         else:
             out.append(line)
-    return "\n".join(out) + "\n"
 
 
 # ----------------------------------------------------------------------------- run time

@@ -1,8 +1,9 @@
 // cuda_emu.h: run CUDA C kernels on the CPU, for checking kernel logic where no GPU is at hand.
 //
-// A kernel file of kernels_cu/ is compiled with g++ after this header, in place of its
-// `#include "common.cuh"` (tests/cuda_emu/emu.py assembles the source and generates one thunk
-// per extern "C" kernel). Each CUDA thread of a block is a fiber (ucontext) on one OS thread;
+// A kernel file of kernels_cu/ is compiled with g++ after this header, with the real kernels_cu
+// headers (common.cuh, numerics.cuh, ...) inlined as engine.gpu.kernels.source does for NVRTC
+// (tests/cuda_emu/emu.py assembles the source and generates one thunk per extern "C" kernel);
+// their GGP_EMU branches replace the PTX, this header supplies the CUDA built-ins. Each CUDA thread of a block is a fiber (ucontext) on one OS thread;
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
 // __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
 // GPU). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
@@ -220,27 +221,4 @@ inline u16 emu_f32_to_f16(float f) {
     u16 r;
     std::memcpy(&r, &h, 2);
     return r;
-}
-
-// ---------------------------------------------------------------- common.cuh (the parts used)
-
-__device__ __forceinline__ float f16_to_f32(u16 h) { return emu_half_bits_to_float(h); }
-
-__device__ __forceinline__ int expand_q6_elem(const u8* ql, const u8* qh, int e) {
-    const int h = e >> 7, n = e & 127;
-    const int ql_idx = h * 64 + (n & 63);
-    const int ql_shift = (n >> 6) * 4;
-    const int qh_idx = h * 32 + (n & 31);
-    const int qh_shift = ((n >> 5) & 3) * 2;
-    const int v = ((ql[ql_idx] >> ql_shift) & 0x0F) | (((qh[qh_idx] >> qh_shift) & 0x03) << 4);
-    return v - 32;
-}
-
-__device__ __forceinline__ u32 center_q6x4(u32 v) { return (v + 0x60606060u) ^ 0x80808080u; }
-
-__device__ __forceinline__ u32 q6_word(u32 qlw, u32 qhw, int qq) {
-    const u32 lo = (qlw >> (4 * (qq >> 1))) & 0x0F0F0F0Fu;
-    const u32 hi = (2 * qq <= 4) ? ((qhw << (4 - 2 * qq)) & 0x30303030u)
-                                 : ((qhw >> (2 * qq - 4)) & 0x30303030u);
-    return center_q6x4(lo | hi);
 }

@@ -174,13 +174,11 @@ def _build(fname: str):
 
     if fname in _libs:
         return _libs[fname]
-    src = (kernels.KERNEL_DIR / fname).read_text()
-    # common.cuh is PTX (cuda_emu.h stands in for it); other kernels_cu headers are inlined
-    src = re.sub(r'^\s*#\s*include\s+"common.cuh".*$', "", src, flags=re.M)
-    src = re.sub(r'^\s*#\s*include\s+"([\w.]+\.cuh)".*$',
-                 lambda m: (kernels.KERNEL_DIR / m.group(1)).read_text(), src, flags=re.M)
+    # the kernel file with the real kernels_cu headers inlined, exactly as NVRTC gets it
+    # (common.cuh, numerics.cuh, ...; their GGP_EMU branches stand in for the PTX)
+    src = kernels.source(fname)
     header = (HERE / "cuda_emu.h").read_text()
-    full_src = header + f'\n#line 1 "{kernels.KERNEL_DIR / fname}"\n' + src
+    full_src = header + "\n" + src
     names = kernels.INSTANCES.get(fname, ())
     BUILD.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256((full_src + repr(names)).encode()).hexdigest()[:16]
