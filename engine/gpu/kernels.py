@@ -25,7 +25,7 @@ import kernels_cu
 # The production instances and the MMQ tile names / configurations live in engine.gpu.registry
 # (a leaf module); re-exported here for the launchers and tests.
 from engine.gpu.registry import (  # noqa: F401
-    INSTANCES, MMQ_CONFIGS, MMQ_SPLIT_SUFFIX, instance_count, mmq_config, mmq_instance, mmq_split_name,
+    INSTANCES, MMQ_CONFIGS, MMQ_LAST_FIELD, MMQ_SPLIT_SUFFIX, instance_count, mmq_config, mmq_instance, mmq_split_name,
     mmq_variants,
 )
 
@@ -39,7 +39,8 @@ MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
 
 
 def mmq_uses_tc(kind: str, variant: str) -> bool:
-    return kind == "q4_k" and bool(mmq_config(kind, variant)[6])
+    """Whether the variant computes q4_K's min term on TF32 tensor cores (registry.MMQ_LAST_FIELD)."""
+    return MMQ_LAST_FIELD.get(kind) == "tc" and bool(mmq_config(kind, variant)[6])
 
 
 def mmq_tile(kind: str, variant: str) -> tuple[int, int, int]:
@@ -48,18 +49,25 @@ def mmq_tile(kind: str, variant: str) -> tuple[int, int, int]:
     return wm * mt * 16, wn * nt * 8, wm * wn * 32
 
 
+# Dynamic shared memory of the B operand per family, (BN, KS, NC = KS/32) -> bytes (mirrors
+# Q4KLayout / Q6KLayout).
+_MMQ_B_SMEM = {
+    # qs planes + 2 x {dsc [NC][BN], m [NC][BN], -dmin [BN]} floats
+    "q4_k": lambda bn, ks, nc: MMQ_NBUF * bn * (ks // 2) + 2 * (2 * nc * bn * 4 + bn * 4),
+    # expanded B planes + 2 x float2 [NC][BN]
+    "q6_k": lambda bn, ks, nc: MMQ_NBUF * bn * ks + MMQ_NBUF * nc * bn * 8,
+}
+
+
 def mmq_smem_bytes(kind: str, variant: str) -> int:
     """Dynamic shared memory of an MMQ instance (mirrors Q4KLayout / Q6KLayout; the kernel
     traps if it is given less)."""
+    if kind not in _MMQ_B_SMEM:
+        raise ValueError(f"unknown MMQ kind {kind!r}")
     bm, bn, _ = mmq_tile(kind, variant)
     ks = mmq_config(kind, variant)[5]
     nc = ks // 32
-    a = MMQ_NBUF * (bm * ks + bm * nc * 8)
-    if kind == "q4_k":     # qs planes + 2 x {dsc [NC][BN], m [NC][BN], -dmin [BN]} floats
-        return a + MMQ_NBUF * bn * (ks // 2) + 2 * (2 * nc * bn * 4 + bn * 4)
-    if kind == "q6_k":     # expanded B planes + 2 x float2 [NC][BN]
-        return a + MMQ_NBUF * bn * ks + MMQ_NBUF * nc * bn * 8
-    raise ValueError(f"unknown MMQ kind {kind!r}")
+    return MMQ_NBUF * (bm * ks + bm * nc * 8) + _MMQ_B_SMEM[kind](bn, ks, nc)
 
 
 # ----------------------------------------------------------------------------- source

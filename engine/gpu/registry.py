@@ -40,6 +40,8 @@ SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
 # Tail split for the DEFAULT_VARIANT choice, measured on the H200 (perf-log run 12): T=3314 q6_K
 # 4096x4096 0.793 -> 0.739 ms, q4_K 4096x11008 1.266 -> 1.167; whole-wave grids (T=512) unchanged.
 DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
+# What the last MMQ_CONFIGS field is, per family: "tc" (q4_K's TF32 min term) or "unroll" (q6_K).
+MMQ_LAST_FIELD = {"q4_k": "tc", "q6_k": "unroll"}
 MMQ_SPLIT_SUFFIX = "+split"
 
 
@@ -87,15 +89,19 @@ ATTN_GROUPS = (1, 2, 4, 6, 7, 8)          # query heads per KV head (GQA)
 KV_DTYPES = ("f16", "f32")
 
 
+# Per kernel family: the layouts its MMVQ kernels come in (q6_K: the padded 224-byte blocks and
+# the raw 210-byte ones; q4_K: one layout, no infix in the name).
+MMVQ_LAYOUTS: dict[str, tuple[str, str] | None] = {"q4_k": None, "q6_k": ("pad", "raw")}
+
+
 def mmvq_name(kind: str, mode: str, padded: bool = True) -> str:
     """MMVQ kernel of a weight kind / layout and epilogue mode."""
     if mode not in MMVQ_MODES:
         raise ValueError(f"no MMVQ mode {mode!r} (have {MMVQ_MODES}; retired ones: dev/RETIRED.md)")
-    if kind == "q4_k":
-        return f"mmvq_q4_k_{mode}"
-    if kind == "q6_k":
-        return f"mmvq_q6_k_{'pad' if padded else 'raw'}_{mode}"
-    raise ValueError(f"no MMVQ kernel for {kind!r}")
+    if kind not in MMVQ_LAYOUTS:
+        raise ValueError(f"no MMVQ kernel for {kind!r}")
+    layouts = MMVQ_LAYOUTS[kind]
+    return f"mmvq_{kind}_{mode}" if layouts is None else f"mmvq_{kind}_{layouts[0 if padded else 1]}_{mode}"
 
 
 def attn_split_name(head_dim: int, group: int, kv_dtype: str) -> str:
