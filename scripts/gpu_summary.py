@@ -20,8 +20,9 @@ def main(out: str) -> int:
               f"q/d/s = {sum(r['q_mismatches'] for r in rs)}/{sum(r['d_mismatches'] for r in rs)}/"
               f"{sum(r['s_mismatches'] for r in rs)}")
     for r in by.get("q6k_expand", []):
-        print(f"q6_K expansion: {r['elements']} elements, closed-form vs per-element mismatches "
-              f"{r['closed_vs_elem_mismatches']}, vs numpy {r['closed_vs_numpy_mismatches']}")
+        print(f"q6_K expansion: {r['elements']} elements, mismatches closed-form (padded) vs raw arm "
+              f"{r['closed_vs_raw_arm_mismatches']}, closed-form vs numpy {r['closed_vs_numpy_mismatches']}, "
+              f"raw arm vs numpy {r['raw_arm_vs_numpy_mismatches']}")
     if "q6k_raw_vs_padded" in by:
         rs = by["q6k_raw_vs_padded"]
         print(f"q6_K raw vs padded: {len(rs)} runs, {sum(r['elements'] for r in rs)} outputs, "
