@@ -1,6 +1,6 @@
 """k-quant block formats (q4_K, q6_K, q8_1) in numpy: layouts, (de)quantizers, the
-q6_K 210 -> 224 byte repack, and the exact integer-dot reference GEMMs that the CUDA
-kernels are checked against.
+q6_K 210 -> 224 byte repack. (The integer-dot MMQ references the CUDA kernels are checked
+against are in engine/reference/mmq.py.)
 
 Everything is vectorised over blocks (no Python loop over blocks) and works on arrays of
 shape [..., n_blocks * block_bytes] (rows of whole blocks); float outputs are float32.
