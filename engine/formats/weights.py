@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 from engine.formats.config import ModelConfig
 from engine.errors import GGUFError, printable
@@ -74,6 +77,21 @@ class ModelFile:
     @property
     def output_tensor(self) -> TensorInfo:
         return self.tensor("token_embd.weight" if self.config.tied_output else "output.weight")
+
+    def check_ids(self, ids: Sequence[int], length: int, capacity: int) -> np.ndarray:
+        """Token ids of a forward at cache position `length` (of `capacity`), checked against
+        the vocabulary and the cache: int64 [n]; GGUFError naming the file otherwise. The one
+        input check of both backends' forward."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise GGUFError(f"{self.path}: forward needs at least one token")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise GGUFError(f"{self.path}: token id {int(bad[0])} is outside the vocabulary "
+                            f"(0..{self.config.vocab_size - 1})")
+        if length + ids.size > capacity:
+            raise GGUFError(f"{self.path}: {length + ids.size} tokens exceed the KV cache size {capacity}")
+        return ids
 
 
 def open_model(path: str | os.PathLike) -> ModelFile:

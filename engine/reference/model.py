@@ -169,17 +169,7 @@ class ReferenceModel:
         return dequantize_rows(self.embd, ids)
 
     def check_ids(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise GGUFError(f"{self.file.path}: forward needs at least one token")
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:
-            raise GGUFError(f"{self.file.path}: token id {int(bad[0])} is outside the vocabulary "
-                            f"(0..{self.config.vocab_size - 1})")
-        if cache.length + ids.size > cache.max_tokens:
-            raise GGUFError(f"{self.file.path}: {cache.length + ids.size} tokens exceed the KV cache "
-                            f"size {cache.max_tokens}")
-        return ids
+        return self.file.check_ids(ids, cache.length, cache.max_tokens)
 
     def hidden(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Final-normed hidden states [n, d] of ids appended at cache.length."""
