@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def cp():
+    """CuPy (or the CPU emulator standing in for it) with a device; skip without one."""
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
 def default_model_file() -> str:
     """Path of the default model; skip (or fail, with GGUF_PREFILL_REQUIRE_MODEL=1) when absent."""
     from engine.tools.fetch import default_model_path

@@ -37,14 +37,6 @@ def _report(**kw):
             f.write(json.dumps(kw) + "\n")
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
 @pytest.fixture
 def rng():
     seed = int.from_bytes(os.urandom(8), "little")

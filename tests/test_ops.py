@@ -15,14 +15,6 @@ from engine.reference import op_table
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
 def _launch_quantize_q8_1(cp, inp, case):
     from engine.gpu.ops import q8
 

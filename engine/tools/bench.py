@@ -174,14 +174,20 @@ def _run_prompt(model, ids, cache):
     return model.forward(ids, cache)
 
 
-def bench_pp(model, n_prompt: int, depth: int = 0, reps: int = 5, seed: int = 0) -> Row:
-    """pp row: `reps` timed prefills of n_prompt random ids after `depth` tokens (one warm-up)."""
-    gpu = getattr(model, "device", "cpu") == "gpu"
+def _prompt_after_depth(model, n_prompt: int, depth: int, seed: int):
+    """Random ids for depth + n_prompt tokens and a cache holding the first `depth` of them."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, model.config.vocab_size, depth + n_prompt).tolist()
     cache = model.new_cache(depth + n_prompt)
     if depth:
         model.forward(ids[:depth], cache)
+    return ids, cache
+
+
+def bench_pp(model, n_prompt: int, depth: int = 0, reps: int = 5, seed: int = 0) -> Row:
+    """pp row: `reps` timed prefills of n_prompt random ids after `depth` tokens (one warm-up)."""
+    gpu = getattr(model, "device", "cpu") == "gpu"
+    ids, cache = _prompt_after_depth(model, n_prompt, depth, seed)
     clock = _Clock(gpu)
     ms = []
     for r in range(reps + 1):
@@ -210,11 +216,7 @@ def breakdown_pp(model, n_prompt: int, depth: int = 0, plain_ms: float = 0.0, se
     """One instrumented prefill (after the timed ones): per-op-kind CUDA event totals."""
     from engine.gpu.profiler import OpTimer
 
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, model.config.vocab_size, depth + n_prompt).tolist()
-    cache = model.new_cache(depth + n_prompt)
-    if depth:
-        model.forward(ids[:depth], cache)
+    ids, cache = _prompt_after_depth(model, n_prompt, depth, seed)
     clock = _Clock(True)
     timer = OpTimer()
     model.profile(timer)
