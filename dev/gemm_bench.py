@@ -36,6 +36,8 @@ SHAPES_7B = [
     ("q6_k", 4096, 4096),      # attn_v (q6_K layers)
     ("q6_k", 4096, 11008),     # ffn_down (q6_K layers)
     ("q6_k", 32000, 4096),     # output
+    ("q4_k", 12288, 4096),     # attn_q/k/v fused (one GEMM when the three share a type)
+    ("q4_k", 22016, 4096),     # ffn_gate + ffn_up fused
 ]
 
 
@@ -82,8 +84,51 @@ class Timer:
         return {"median_ms": ts[len(ts) // 2], "min_ms": ts[0], "max_ms": ts[-1]}
 
 
+class GraphTimer:
+    """Back-to-back launches as in a forward: `launch(copy)` over weight copies that together
+    exceed the L2 several times (every launch reads its weights from HBM, L2 lines clean),
+    captured once in a CUDA graph (no host time between launches); per-launch ms = graph time
+    / launches, median of `reps` replays. The cold timer above flushes L2 with a 256 MB
+    memset instead, so each run also pays the write-back of dirty lines (and the launch)."""
+
+    def __init__(self, cp, reps: int = 20, l2_multiple: int = 4, max_copies: int = 32):
+        self.cp = cp
+        self.reps = reps
+        self.l2 = int(cp.cuda.Device().attributes["L2CacheSize"])
+        self.l2_multiple, self.max_copies = l2_multiple, max_copies
+        self.e0, self.e1 = cp.cuda.Event(), cp.cuda.Event()
+
+    def copies(self, nbytes: int) -> int:
+        return max(2, min(self.max_copies, -(-self.l2_multiple * self.l2 // max(1, nbytes))))
+
+    def __call__(self, launch, n_copies: int) -> dict:
+        cp = self.cp
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            for c in range(n_copies):            # compile, workspaces
+                launch(c)
+            s.synchronize()
+            s.begin_capture()
+            try:
+                for c in range(n_copies):
+                    launch(c)
+            finally:
+                g = s.end_capture()
+            g.upload(s)
+            ts = []
+            for r in range(self.reps + 1):
+                self.e0.record(s)
+                g.launch(s)
+                self.e1.record(s)
+                self.e1.synchronize()
+                if r:
+                    ts.append(cp.cuda.get_elapsed_time(self.e0, self.e1) / n_copies)
+        ts.sort()
+        return {"median_ms": ts[len(ts) // 2], "min_ms": ts[0], "max_ms": ts[-1]}
+
+
 def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: int = 1234,
-        verify_rows: int = 16, log=print) -> list[dict]:
+        verify_rows: int = 16, log=print, timing: str = "graph") -> list[dict]:
     import cupy as cp
 
     from engine.gpu.ops import mmq as gpu_ops
@@ -93,6 +138,7 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
     shapes = shapes or SHAPES_7B
     rng = np.random.default_rng(seed)
     timer = Timer(cp, reps=reps)
+    gtimer = GraphTimer(cp, reps=reps)
     rows: list[dict] = []
     cublas_cache: dict[tuple[int, int, int], dict] = {}
     w16_cache: dict[tuple[int, int], object] = {}
@@ -106,6 +152,12 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             w16_cache[(N, K)] = cp.asarray(deq.astype(np.float16))
             del deq
         w16 = w16_cache[(N, K)]
+        copies = [wd]
+        if timing == "graph":
+            from engine.gpu.weights import DeviceWeight
+
+            copies += [DeviceWeight(wd.ggml_type, wd.rows, wd.cols, wd.data.copy(), wd.padded)
+                       for _ in range(gtimer.copies(wd.nbytes) - 1)]
         log(f"# {kind} {N}x{K}: weights ready in {time.time() - t0:.1f}s")
         sample = np.sort(rng.choice(N, size=min(verify_rows, N), replace=False))
         for T in tokens:
@@ -123,13 +175,21 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             ds_h = cp.asnumpy(act.ds)
             d_h, s_h = ds_h[..., 0], ds_h[..., 1]
             ref = S = S_min = None
-            vlist = ([gpu_ops.choose_variant(kind, T, N)] if variants == ["default"]
-                     else (variants or kernels.mmq_variants(kind)))
+            if variants == ["default"]:
+                vlist = [gpu_ops.choose_variant(kind, T, N)]
+            elif variants == ["small"]:
+                vlist = small_candidates(kind, T)
+            else:
+                vlist = variants or kernels.mmq_variants(kind)
             for v in vlist:
-                if kernels.mmq_split_name(v)[0] not in kernels.mmq_variants(kind):
+                if (kernels.mmq_split_name(v)[0] not in (kernels.MMVQ_VARIANT, kernels.MMSB_VARIANT)
+                        and kernels.mmq_split_name(v)[0] not in kernels.mmq_variants(kind)):
                     continue
                 y = cp.empty((T, N), dtype=cp.float32)
-                tm = timer(lambda: gpu_ops.mmq(wd, act, out=y, variant=v))
+                if timing == "graph":
+                    tm = gtimer(lambda c: gpu_ops.mmq(copies[c], act, out=y, variant=v), len(copies))
+                else:
+                    tm = timer(lambda: gpu_ops.mmq(wd, act, out=y, variant=v))
                 y.fill(np.nan)
                 gpu_ops.mmq(wd, act, out=y, variant=v)
                 ys = cp.asnumpy(y[:, cp.asarray(sample)]).astype(np.float64)
@@ -140,7 +200,9 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                 err = np.abs(ys - ref)
                 ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(kind, K, S, S_min, kernels.mmq_uses_tc(kind, v))))
                 ops = 2.0 * T * N * K
-                grid = gpu_ops.mmq_grid(kind, v, T, N, K)
+                grid = (gpu_ops.MmqGrid(0, 0, 1, 0, float("nan"))
+                        if kernels.mmq_split_name(v)[0] in (kernels.MMVQ_VARIANT, kernels.MMSB_VARIANT)
+                        else gpu_ops.mmq_grid(kind, v, T, N, K))
                 row = {
                     "kind": kind, "N": N, "K": K, "T": T, "variant": v,
                     "tiles": grid.tiles, "split0": grid.split0, "parts": grid.parts,
@@ -150,24 +212,38 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                     "cublas_ms": tc["median_ms"], "cublas_tflops": ops / tc["median_ms"] * 1e-9,
                     "ratio": tc["median_ms"] / tm["median_ms"],
                     "quant_ms": tq["median_ms"], "verified": ok,
-                    "weight_bytes": wd.nbytes,
+                    "weight_bytes": wd.nbytes, "weight_gbs": wd.nbytes / tm["median_ms"] * 1e-6,
                 }
                 rows.append(row)
                 log(fmt_row(row))
                 del y
             del x, act
-        del wd
+        del wd, copies
     return rows
 
 
 HEADER = (f"{'kind':5s} {'N x K':>11s} {'T':>5s} {'variant':23s} {'waves':>6s} {'mmq ms':>8s} "
-          f"{'TOP/s':>7s} {'cuBLAS ms':>9s} {'TFLOP/s':>7s} {'ratio':>6s} {'q8 ms':>6s} ok")
+          f"{'GB/s':>6s} {'TOP/s':>7s} {'cuBLAS ms':>9s} {'TFLOP/s':>7s} {'ratio':>6s} {'q8 ms':>6s} ok")
+
+
+def small_candidates(kind: str, T: int) -> list[str]:
+    """--variants small: the decode GEMV at T = 1, then every tile config with split plans of up
+    to 4, 8 and 16 parts (the small-batch tiers of registry.SMALL_BATCH_TIERS are picked from
+    these rows)."""
+    from engine.gpu import kernels
+
+    out = [kernels.MMVQ_VARIANT] if T == 1 else []
+    if T <= kernels.MMSB_MAX_TOKENS:
+        out += [kernels.MMSB_VARIANT + s for s in ("", "+split2", "+split4", "+split8")]
+    for c in kernels.mmq_variants(kind):
+        out += [c, c + "+split", c + "+split8", c + "+split16"]
+    return out
 
 
 def fmt_row(r: dict) -> str:
     return (f"{r['kind']:5s} {r['N']:>5d}x{r['K']:<5d} {r['T']:>5d} {r['variant']:23s} "
             f"{r.get('waves', float('nan')):6.2f} "
-            f"{r['mmq_ms']:8.3f} {r['mmq_tops']:7.1f} {r['cublas_ms']:9.3f} {r['cublas_tflops']:7.1f} "
+            f"{r['mmq_ms']:8.3f} {r['weight_gbs']:6.0f} {r['mmq_tops']:7.1f} {r['cublas_ms']:9.3f} {r['cublas_tflops']:7.1f} "
             f"{r['ratio']:6.3f} {r['quant_ms']:6.3f} {'yes' if r['verified'] else 'NO'}")
 
 
@@ -179,10 +255,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,3314")
     ap.add_argument("--variants", default="all",
-                    help="all | default (gpu_ops.choose_variant per T) | NAME,NAME")
+                    help="all | default (gpu_ops.choose_variant per T) | small (small_candidates) | NAME,NAME")
     ap.add_argument("--shapes", default="7b",
                     help="7b (SHAPES_7B) | sweep (SHAPES_SWEEP) | KIND:NxK,.. (e.g. q6_k:4096x4096)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--timing", choices=("graph", "cold"), default="graph",
+                    help="graph: back-to-back launches over weight copies > L2 in a CUDA graph (GraphTimer); "
+                         "cold: one launch after a 256 MB memset (Timer)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -201,7 +280,8 @@ def main(argv=None) -> int:
     for kind in ("q4_k", "q6_k"):
         if kind not in {sk for sk, _, _ in shapes}:
             continue
-        names = [kernels.mmq_split_name(v)[0] for v in (variants or kernels.mmq_variants(kind))]
+        names = [kernels.mmq_split_name(v)[0] for v in (variants or kernels.mmq_variants(kind))
+                 if kernels.mmq_split_name(v)[0] not in (kernels.MMVQ_VARIANT, kernels.MMSB_VARIANT)]
         for v in dict.fromkeys(names):
             if v not in kernels.mmq_variants(kind):
                 continue
@@ -211,7 +291,7 @@ def main(argv=None) -> int:
                   f"local {k.local_size_bytes} B smem {kernels.mmq_smem_bytes(kind, v)} B")
     print(HEADER, flush=True)
     rows = run(tokens=tokens, variants=variants, reps=a.reps, shapes=shapes,
-               log=lambda s: print(s, flush=True))
+               log=lambda s: print(s, flush=True), timing=a.timing)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -23,6 +23,8 @@
 //   m_new = max(m, rowmax S); corr = 2^(m - m_new); l = l corr + sum p; O = O corr + P V with
 //   P converted in registers to the f16 A fragments and V fragments by ldmatrix.trans.
 //   A row whose scores are all -inf so far uses 0 as its max (2^-inf = 0, never NaN).
+// start = start0 + (startp ? *startp : 0): startp, the position read on the device (one CUDA
+// graph of the prefill serves every position, engine/gpu/prefill_graph.py).
 // Grid (ceil(n/64), H), q tiles in reverse order (longest first); 128 threads;
 // dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
 #include "common.cuh"
@@ -118,6 +120,7 @@ __device__ __forceinline__ void attn_prefill_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
         int n, int H, int KVH, int start, int maxT) {
+    // start: the first query's position (the kernel entry adds the device-side part)
     constexpr int CH = HD / 8;            // 16-byte chunks per row
     constexpr int KS = HD / 16;           // k-steps of Q K^T
     constexpr int NO = HD / 8;            // n-tiles of O
@@ -320,8 +323,9 @@ __device__ __forceinline__ void attn_prefill_body(
     attn_prefill_h##HDV##_##SUF(const u16* __restrict__ Q, const u16* __restrict__ Kc,          \
                                 const u16* __restrict__ Vc, float* __restrict__ O,              \
                                 i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
-                                int KVH, int start, int maxT) {                                 \
-        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, start, maxT);             \
+                                int KVH, const int* __restrict__ startp, int start0, int maxT) { \
+        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH,                          \
+                                    start0 + (startp ? *startp : 0), maxT);                     \
     }
 
 AT_INSTANCE(64, f32, false)

@@ -4,13 +4,15 @@
 //      vp + t*ldv (H*HD, KVH*HD, KVH*HD columns; with the fused QKV GEMM output
 //      [n, (H + 2 KVH) HD] they are one array at column offsets 0, H*HD, (H+KVH)*HD and
 //      every ld = (H + 2 KVH) HD);
-//      bq, bk, bv float32 biases or null (qwen2); cosT, sinT float32 [n, HD/2]: the angles of
-//      positions start + t, computed on the host exactly as engine.reference.rope_tables.
+//      bq, bk, bv float32 biases or null (qwen2); cosT, sinT float32 [>= start + n, HD/2]: the
+//      angles of positions 0.., computed on the host exactly as engine.reference.rope_tables;
+//      start = start0 + (startp ? *startp : 0) (startp: the position read on the device, so one
+//      CUDA graph of the prefill serves every position, engine/gpu/prefill_graph.py).
 // Out: qout f16 [H, n, HD]    = rope(q + bq) * qscale   (qscale = log2(e) / sqrt(HD): the
 //                                attention kernel works in the exp2 domain)
 //      kc   f16 [KVH, maxT, HD] at token start + t = rope(k + bk)   (the layer's K cache)
 //      vc   f16 [KVH, maxT, HD] at token start + t = v + bv          (the layer's V cache)
-// RoPE of pair i (c = cos[t, i], s = sin[t, i]), engine.reference.apply_rope:
+// RoPE of pair i (c = cos[start + t, i], s = sin[start + t, i]), engine.reference.apply_rope:
 //   normal (llama): (x[2i], x[2i+1]);  neox (qwen2): (x[i], x[i + HD/2])
 //   out0 = x0 c - x1 s,  out1 = x0 s + x1 c      (float32, products rounded separately)
 // f16 conversion rounds to nearest even.
@@ -24,8 +26,10 @@ qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float
          long long ldq, long long ldk, long long ldv, const float* __restrict__ bq, const float* __restrict__ bk,
          const float* __restrict__ bv, const float* __restrict__ cosT, const float* __restrict__ sinT,
          u16* __restrict__ qout, u16* __restrict__ kc, u16* __restrict__ vc,
-         int n, int H, int KVH, int HD, int start, int maxT, int neox, float qscale) {
+         int n, int H, int KVH, int HD, const int* __restrict__ startp, int start0, int maxT, int neox,
+         float qscale) {
     const int t = blockIdx.y;
+    const int start = start0 + (startp ? *startp : 0);
     const int half = HD >> 1;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int nq = H * half, nk = KVH * half;
@@ -56,7 +60,7 @@ qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float
         x0 = __fadd_rn(x0, bias[hh * HD + e0]);
         x1 = __fadd_rn(x1, bias[hh * HD + e1]);
     }
-    const float c = cosT[(size_t)t * half + pi], s = sinT[(size_t)t * half + pi];
+    const float c = cosT[(size_t)(start + t) * half + pi], s = sinT[(size_t)(start + t) * half + pi];
     float o0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
     float o1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
     if (isq) {

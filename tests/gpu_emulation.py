@@ -76,15 +76,19 @@ def emu_add_rmsnorm_q8_1(x, y, w, eps, act, hout=None):
     _store_q8(q8, act)
 
 
-def emu_qkv_rope(q, k, v, lds, bq, bk, bv, cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads, head_dim):
-    qh, kh, vh = numerics.qkv_rope_f16(q, k, v, bq, bk, bv, cos, sin, n_heads, n_kv_heads, head_dim, neox)
-    n = cos.shape[0]
+def emu_qkv_rope(q, k, v, lds, bq, bk, bv, cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads, head_dim,
+                 start_dev=None):
+    start += 0 if start_dev is None else int(start_dev[0])
+    n = qout.shape[1]
+    qh, kh, vh = numerics.qkv_rope_f16(q, k, v, bq, bk, bv, cos[start:start + n], sin[start:start + n],
+                                       n_heads, n_kv_heads, head_dim, neox)
     qout[...] = qh
     kc[:, start:start + n] = kh
     vc[:, start:start + n] = vh
 
 
-def emu_attention_prefill(qh, kc, vc, start, out_act=None, out_f32=None):
+def emu_attention_prefill(qh, kc, vc, start, out_act=None, out_f32=None, start_dev=None):
+    start += 0 if start_dev is None else int(start_dev[0])
     o = numerics.attention_f16(qh, kc, vc, start)
     if out_f32 is not None:
         out_f32[...] = o
@@ -106,13 +110,15 @@ def emu_mmq(weight, act, out=None, variant=None):
 
 @contextmanager
 def emulated_gpu():
-    """Patch cupy (numpy), the prefill launchers (engine.gpu.ops.*) and engine.gpu.ops.mmq.mmq for the duration."""
-    from engine.gpu import ops
+    """Patch cupy (numpy), the prefill launchers (engine.gpu.ops.*) and engine.gpu.ops.mmq.mmq for the
+    duration; prompts run eager (no CUDA graph: engine.gpu.model's graph_tokens says None)."""
+    from engine.gpu import model as gpu_model, ops
 
     saved_mod = sys.modules.get("cupy")
     patches = {(ops.embed, "embed"): emu_embed, (ops.norm, "add_rmsnorm_q8_1"): emu_add_rmsnorm_q8_1,
                (ops.rope, "qkv_rope"): emu_qkv_rope, (ops.attention, "attention_prefill"): emu_attention_prefill,
-               (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq}
+               (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq,
+               (gpu_model, "graph_tokens"): lambda n, start, capacity: None}
     saved = {key: getattr(*key) for key in patches}
     sys.modules["cupy"] = _fake_cupy()
     try:

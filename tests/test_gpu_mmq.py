@@ -285,7 +285,7 @@ def test_linear_matches_two_steps(cp, rng):
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
-@pytest.mark.parametrize("T", [64, 8500])
+@pytest.mark.parametrize("T", [1, 8, 32, 64, 8500])
 def test_default_variant_dispatch(cp, rng, kind, T):
     """gpu_ops.mmq without a variant (the production path), small and large grid."""
     from engine.gpu.ops import mmq as gpu_ops
@@ -302,3 +302,60 @@ def test_default_variant_dispatch(cp, rng, kind, T):
     variant = gpu_ops.choose_variant(kind, T, N)
     _check_gemm(kind, variant, T, N, K, cp.asnumpy(y), ref, abs_terms(kind, w, q, d, s),
                 "padded" if kind == "q6_k" else "raw")
+
+
+# ----------------------------------------------------------------------------- small batch (mmsb)
+
+# (T, N, K): every n-tile count (T = 1..128, ragged T), ragged row tiles (N % 64 != 0), an odd
+# super-block count (K = 768: 3), K = 4096 / 11008 as in the 7B shapes.
+SB_SHAPES = [(1, 200, 768), (5, 64, 256), (8, 333, 1024), (9, 130, 768), (16, 257, 4096),
+             (31, 200, 768), (32, 136, 11008), (57, 129, 512), (64, 65, 768), (100, 200, 1024),
+             (128, 131, 4096)]
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("T,N,K", SB_SHAPES)
+@pytest.mark.parametrize("parts", [None, 1, 2, 3])
+def test_mmsb(cp, rng, kind, T, N, K, parts):
+    """Small-batch GEMM against the oracle within the bound, forced and planned K-splits; the
+    same bits on a rerun (the split sums in a fixed order); q6_K raw == padded bit for bit."""
+    from engine.gpu.ops import mmq as gpu_ops
+    from engine.gpu.weights import upload_weight
+
+    nsb = K // 256
+    if parts is not None and parts > nsb:
+        pytest.skip(f"{parts} parts > {nsb} super-blocks")
+    w = rand_rows(rng, kind, N, K)
+    x = rand_act(rng, T, K)
+    q, d, s = Q.quantize_q8_1(x)
+    act = gpu_ops.quantize_q8_1(cp.asarray(x))
+    split = None if parts is None else (0, parts)
+    variant = gpu_ops.MMSB_VARIANT
+    layouts = {"raw": upload_weight(w, kind.upper(), pad_q6k=False)}
+    if kind == "q6_k":
+        layouts["padded"] = upload_weight(w, kind.upper(), pad_q6k=True)
+    ref = mmq_reference(kind, w, q, d, s)
+    SS = abs_terms(kind, w, q, d, s)
+    outs = {}
+    for label, wd in layouts.items():
+        y1 = _mmq_y(cp, wd, act, T, N, variant, split)
+        y2 = _mmq_y(cp, wd, act, T, N, variant, split)
+        _check_gemm(kind, variant, T, N, K, y1, ref, SS, label)
+        assert np.array_equal(y1.view(np.uint32), y2.view(np.uint32)), f"{kind}/{label}: rerun differs"
+        outs[label] = y1
+    if kind == "q6_k":
+        diff = int((outs["raw"].view(np.uint32) != outs["padded"].view(np.uint32)).sum())
+        _report(test="q6k_raw_vs_padded", variant=variant, T=T, N=N, K=K, elements=int(y1.size), bit_mismatches=diff)
+        assert diff == 0, f"mmsb q6_K raw vs padded: {diff} elements differ"
+
+
+def test_mmsb_dispatch_tiers(cp):
+    """choose_variant's small-batch tiers name kernels that exist for every T up to their limit."""
+    from engine.gpu import registry
+    from engine.gpu.ops import mmq as gpu_ops
+
+    for kind in ("q4_k", "q6_k"):
+        for T in range(1, 129):
+            v = gpu_ops.choose_variant(kind, T, 4096)
+            name = registry.mmq_split_name(v)[0]
+            assert name in (registry.MMVQ_VARIANT, registry.MMSB_VARIANT) or name in registry.MMQ_CONFIGS[kind], v

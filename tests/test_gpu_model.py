@@ -183,8 +183,9 @@ def test_qkv_rope_bit_exact(cp, rng, rope_type, hd, bias):
     kc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
     vc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
     ld = qd + 2 * kvd
+    cos_all, sin_all = rope_tables(cfg, np.arange(start + n))        # the kernel reads rows start..
     ops.rope.qkv_rope(d[:, :qd], d[:, qd:qd + kvd], d[:, qd + kvd:], (ld, ld, ld),
-               *[None if x is None else cp.asarray(x) for x in b], cp.asarray(cos), cp.asarray(sin),
+               *[None if x is None else cp.asarray(x) for x in b], cp.asarray(cos_all), cp.asarray(sin_all),
                qout, kc, vc, start, rope_type == "neox", H, KVH, hd)
     q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
     if bias:
@@ -520,3 +521,41 @@ def test_generate_sessions_on_reference(tiny_model_path):
     assert e.tokens == want[:2] and e.stop_reason == "eog"
     z = generate(ref, ids, 0)
     assert z.tokens == [] and z.stop_reason == "length" and z.prompt_ms > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "slice"])
+def test_prefill_graph_equals_eager(models, name):
+    """Short prompts through the prefill graph (prefill_graph.py): the same bits as the eager
+    kernels at every position of a multi-turn conversation (padded and exact T), one capture
+    per T, reused across positions; the logits within the reference bound."""
+    if name not in models:
+        pytest.skip(f"{SLICE} missing (make it with the slice verb; see the module docstring)")
+    from engine.gpu.model import GPUModel
+    from engine.gpu.prefill_graph import graph_tokens
+
+    mf, ref, gpu = models[name]
+    eager = GPUModel(mf, graph_prefill=False)
+    rng = np.random.default_rng(7)
+    turns = [5, 3, 17, 1, 128, 5, 64, 2]
+    cap = sum(turns) + 40
+    cg, ce, cr = gpu.new_cache(cap), eager.new_cache(cap), ref.new_cache(cap)
+    for n in turns:
+        ids = rng.integers(0, mf.config.vocab_size, n)
+        assert graph_tokens(n, cg.length, cap) is not None
+        lg = gpu.forward(ids, cg, all_logits=True)
+        le = eager.forward(ids, ce, all_logits=True)
+        lr = ref.forward(ids, cr, all_logits=True)
+        assert np.array_equal(lg.view(np.uint32), le.view(np.uint32)), f"{name}: graph != eager at n={n}"
+        _check(_compare(f"{name} graph n={n} at {cg.length - n}", lg, lr, BOUNDS[name]))
+    Ts = {graph_tokens(n, 0, cap) for n in turns}
+    assert set(cg.prefill_graphs) <= Ts | set(turns) and len(cg.prefill_graphs) <= len(Ts) + 2
+    assert all(pg.graph is not None for pg in cg.prefill_graphs.values())
+    k_g, k_e = cp_asnumpy(cg.k[:, :, :cg.length]), cp_asnumpy(ce.k[:, :, :ce.length])
+    assert np.array_equal(k_g.view(np.uint16), k_e.view(np.uint16)), "K cache differs"
+
+
+def cp_asnumpy(a):
+    import cupy
+
+    return cupy.asnumpy(a)

@@ -29,7 +29,7 @@ def test_instance_count(capsys):
         print("  " + kernels.count_line())
     counts = kernels.instance_count()
     assert set(counts) == set(kernels.kernel_files()), "every kernel file has its instances in the registry"
-    assert sum(counts.values()) == 60, counts
+    assert sum(counts.values()) == 75, counts
 
 
 def test_kernel_files_found():
@@ -70,12 +70,17 @@ def test_smem_fits_sm90():
 
 def test_choose_variant_rule():
     from engine.gpu.ops import mmq as gpu_ops
-    # 64-token grid fits on the SMs -> the 64x128 tile; otherwise the 128x128 one
+    # one token: the decode GEMV; up to MMSB_MAX_TOKENS: the small-batch GEMMs
+    for kind in ("q4_k", "q6_k"):
+        assert gpu_ops.choose_variant(kind, 1, 4096, sm_count=132) == gpu_ops.MMVQ_VARIANT
+        for T in (2, 8, 32, 64, 128):
+            assert kernels.mmq_split_name(gpu_ops.choose_variant(kind, T, 4096, sm_count=132))[0] == gpu_ops.MMSB_VARIANT
+    # then: 64-token grid fits on the SMs -> the 64x128 tile; otherwise the 128x128 one
     assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
     big = {k: gpu_ops.DEFAULT_VARIANT[k] + (kernels.MMQ_SPLIT_SUFFIX if gpu_ops.DEFAULT_SPLIT[k] else "")
            for k in ("q4_k", "q6_k")}
     assert gpu_ops.choose_variant("q6_k", 512, 4096, sm_count=132) == big["q6_k"]
-    assert gpu_ops.choose_variant("q4_k", 64, 11008, sm_count=132) == gpu_ops.SMALL_VARIANT["q4_k"]
+    assert gpu_ops.choose_variant("q4_k", 200, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q4_k"]
     assert gpu_ops.choose_variant("q4_k", 3314, 11008, sm_count=132) == big["q4_k"]
     for kind in ("q4_k", "q6_k"):
         for v in (gpu_ops.SMALL_VARIANT[kind], gpu_ops.DEFAULT_VARIANT[kind]):
@@ -138,5 +143,5 @@ def test_choose_variant_split_flag(monkeypatch):
     monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q4_k", False)
     assert gpu_ops.choose_variant("q6_k", 3314, 4096, sm_count=132) == \
         gpu_ops.DEFAULT_VARIANT["q6_k"] + kernels.MMQ_SPLIT_SUFFIX
-    assert gpu_ops.choose_variant("q6_k", 64, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
+    assert gpu_ops.choose_variant("q6_k", 200, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
     assert gpu_ops.choose_variant("q4_k", 3314, 4096, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q4_k"]

@@ -101,7 +101,7 @@ def _launch_qkv_rope(cp, inp, case):
     ld = qd + 2 * kvd
     d = cp.asarray(inp["qkv"])
     b = [None if inp[k] is None else cp.asarray(inp[k]) for k in ("bq", "bk", "bv")]
-    cos, sin = cp.asarray(inp["cos"]), cp.asarray(inp["sin"])
+    cos, sin = cp.asarray(inp["cos_all"]), cp.asarray(inp["sin_all"])
     qout = cp.full((H, n, hd), np.nan, dtype=cp.float16)
     kc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
     vc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)

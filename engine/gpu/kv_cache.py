@@ -16,6 +16,8 @@ decode step (engine.gpu.decode) takes the views' pointers plus the two strides.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from engine.formats.config import ModelConfig
 
 KV_DTYPE = "f16"          # the only cache element type the GPU model writes
@@ -43,6 +45,7 @@ class GPUKVCache:
         self.n_layers = cfg.n_layers
         self.capacity = capacity
         self.length = 0
+        self.prefill_graphs = OrderedDict()   # T -> engine.gpu.prefill_graph.PrefillGraph over this cache
 
     @property
     def max_tokens(self) -> int:

@@ -3,7 +3,8 @@
 One weight set on the device serves both modes:
 - prefill (this module): `forward(ids, cache, all_logits=False)` -> numpy float32 logits
   ([vocab] for the last token, [n, vocab] with all_logits), `forward_device` (the same, left
-  on the device); any number of tokens, always these kernels;
+  on the device); any number of tokens, always these kernels; prompts of up to
+  prefill_graph.GRAPH_MAX_TOKENS replay a CUDA graph of the layers (engine/gpu/prefill_graph.py);
 - decode (engine/gpu/decode.py): one token per step through a CUDA graph, driven by a
   generation session, `session(n_tokens)` -> engine.gpu.session.GPUSession (the Session
   protocol of engine/session.py), taken from a pool of sessions by size bucket.
@@ -53,6 +54,7 @@ from engine.gpu import ops
 from engine.errors import GGUFError
 from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
 from engine.gpu.kv_cache import GPUKVCache
+from engine.gpu.prefill_graph import cache_graph, graph_tokens
 from engine.gpu.profiler import OpTimer
 
 DEFAULT_UBATCH = 4096
@@ -120,13 +122,14 @@ class GPUModel:
     device = "gpu"
 
     def __init__(self, model: ModelFile, progress: bool = False, ubatch: int = DEFAULT_UBATCH,
-                 pad_q6k: bool = True):
+                 pad_q6k: bool = True, graph_prefill: bool = True):
         cp = _cp()
         from engine.gpu.weights import upload_weight
 
         self.file = model
         self.config = cfg = model.config
         self.ubatch = int(ubatch)
+        self.graph_prefill = bool(graph_prefill)     # prompts of <= GRAPH_MAX_TOKENS: prefill_graph.py
         if self.ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
         if cfg.head_dim not in ops.attention.ATT_HEAD_DIMS:
@@ -258,6 +261,13 @@ class GPUModel:
         ids = self.check_ids(ids, cache)
         n, start = int(ids.size), cache.length
         self._ensure_rope(start + n)
+        T = graph_tokens(n, start, cache.capacity) if self.graph_prefill and self._timer is None else None
+        if T is not None and n <= self.ubatch:
+            pg = cache_graph(self, cache, T)
+            pg.run(ids.astype(np.int32), start)
+            out = self.run_head(pg.bufs, n, all_logits)
+            cache.length = start + n
+            return out if all_logits else out[0]
         ids_dev = cp.asarray(ids.astype(np.int32))
         logits = cp.empty((n, self.config.vocab_size), dtype=cp.float32) if all_logits else None
         last = None
@@ -300,25 +310,23 @@ class GPUModel:
             return mmq(w, act, out=out)
 
     def _ubatch(self, ids_dev, start: int, cache: GPUKVCache, all_rows: bool):
-        cp = _cp()
-        from engine.gpu.ops.q8 import Q8Act
+        """One ubatch, eager: its logits (all rows, or the last)."""
+        from engine.gpu.prefill_graph import UbatchBuffers
 
+        bufs = UbatchBuffers(self, int(ids_dev.shape[0]))
+        self.run_layers(bufs, ids_dev, start, cache)
+        return self.run_head(bufs, int(ids_dev.shape[0]), all_rows)
+
+    def run_layers(self, bufs, ids_dev, start: int, cache: GPUKVCache, start_dev=None) -> None:
+        """embed + every layer for the bufs.T tokens ids_dev (int32 on the device) at positions
+        start.. (+ start_dev[0] when given: a graph-captured prefill); leaves the residual
+        stream in bufs.x + bufs.y. No allocation, no host synchronization."""
         cfg = self.config
-        T = int(ids_dev.shape[0])
-        d, qd, kvd, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
+        qd, kvd, ff = cfg.q_dim, cfg.kv_dim, cfg.d_ff
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         eps = cfg.rms_eps
-        f32 = cp.float32
-
-        def act(K):
-            return Q8Act(cp.empty((T, K), dtype=cp.int8), cp.empty((T, K // 32, 2), dtype=f32))
-
-        x = cp.empty((T, d), dtype=f32)
-        y = cp.empty((T, d), dtype=f32)
-        a_d, a_q, a_f = act(d), act(qd), act(ff)
-        qh = cp.empty((H, T, hd), dtype=cp.float16)
-        cos = self._rope_cos[start:start + T]
-        sin = self._rope_sin[start:start + T]
+        x, y, a_d, a_q, a_f, qh = bufs.x, bufs.y, bufs.a_d, bufs.a_q, bufs.a_f, bufs.qh
+        cos, sin = self._rope_cos, self._rope_sin
         neox = cfg.rope_type == "neox"
         role_cols = {"attn_q": qd, "attn_k": kvd, "attn_v": kvd, "ffn_gate": ff, "ffn_up": ff}
 
@@ -327,40 +335,46 @@ class GPUModel:
         for i, L in enumerate(self.layers):
             with self._span("rmsnorm_q8"):
                 ops.norm.add_rmsnorm_q8_1(x, y if i else None, L.attn_norm, eps, a_d)
-            views = self._seg_views(L.qkv, a_d, role_cols)
+            views = self._seg_views(L.qkv, a_d, role_cols, bufs)
             (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
             with self._span("rope_kv"):
                 ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
-                           cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd)
+                                  cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd, start_dev)
             with self._span("attention"):
-                ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q)
+                ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q,
+                                                start_dev=start_dev)
             self._gemm(L.wo, a_q, out=y)
             with self._span("rmsnorm_q8"):
                 ops.norm.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)
-            views = self._seg_views(L.gate_up, a_d, role_cols)
+            views = self._seg_views(L.gate_up, a_d, role_cols, bufs)
             (gv, ldg), (uv, ldu) = views["ffn_gate"], views["ffn_up"]
             if ldg != ldu:      # gate and up in separate buffers of one shape: ld == ff for both
                 raise AssertionError("gate/up row strides differ")
             with self._span("swiglu_q8"):
                 ops.activation.swiglu_q8_1(gv, uv, ldg, ff, a_f)
             self._gemm(L.down, a_f, out=y)
-        if all_rows:
-            xr, yr, R = x, y, T
-        else:
-            xr, yr, R = x[T - 1:T], y[T - 1:T], 1
-        a_o = Q8Act(cp.empty((R, d), dtype=cp.int8), cp.empty((R, d // 32, 2), dtype=f32))
-        with self._span("rmsnorm_q8"):
-            ops.norm.add_rmsnorm_q8_1(xr, yr, self.output_norm, eps, a_o)
-        with self._span("gemm_output_" + self.output_w.kind):
-            from engine.gpu.ops.mmq import mmq
 
+    def run_head(self, bufs, n: int, all_rows: bool):
+        """Logits after run_layers: float32 [n, vocab] for rows 0..n-1 of bufs, or [1, vocab] for
+        row n-1 (a new array)."""
+        cp = _cp()
+        from engine.gpu.ops.mmq import mmq
+        from engine.gpu.ops.q8 import Q8Act
+
+        d = self.config.d_model
+        x, y = bufs.x, bufs.y
+        xr, yr, R = (x[:n], y[:n], n) if all_rows else (x[n - 1:n], y[n - 1:n], 1)
+        a_o = Q8Act(cp.empty((R, d), dtype=cp.int8), cp.empty((R, d // 32, 2), dtype=cp.float32))
+        with self._span("rmsnorm_q8"):
+            ops.norm.add_rmsnorm_q8_1(xr, yr, self.output_norm, self.config.rms_eps, a_o)
+        with self._span("gemm_output_" + self.output_w.kind):
             return mmq(self.output_w, a_o)
 
-    def _seg_views(self, segs: list[_Seg], a, role_cols: dict[str, int]):
+    def _seg_views(self, segs: list[_Seg], a, role_cols: dict[str, int], bufs):
         """Run the GEMMs of a fused group; role -> (float32 view [T, cols], row stride)."""
         out = {}
         for s in segs:
-            y = self._gemm(s.w, a)
+            y = self._gemm(s.w, a, out=bufs.gemm_out(s.w.rows))
             ld = int(y.shape[1])
             c = 0
             for r in s.roles:

@@ -24,10 +24,14 @@ from __future__ import annotations
 # q8_1 blocks (1). Measured in docs/perf-log.md (runs 7 and 9 chose these).
 MMQ_CONFIGS: dict[str, dict[str, tuple[int, int, int, int, int, int, int]]] = {
     "q4_k": {
+        "m16n128tc_k256": (1, 4, 1, 4, 3, 256, 1),      # 4 warps of 16x32, 3 blocks/SM (small batch)
+        "m32n128tc_k256": (1, 4, 2, 4, 2, 256, 1),      # 8 warps of 16x32, 2 blocks/SM (small batch)
         "m64n128tc_k256": (2, 4, 2, 4, 2, 256, 1),      # 8 warps of 32x32, 2 blocks/SM
         "m128n128w8tc_k256": (4, 4, 2, 4, 1, 256, 1),   # 8 warps of 64x32, 1 block/SM
     },
     "q6_k": {
+        "m16n128": (1, 4, 1, 4, 3, 128, 1),             # small batch
+        "m32n128": (1, 4, 2, 4, 2, 128, 1),             # small batch
         "m64n128": (2, 4, 2, 4, 2, 128, 1),
         "m128n128w8_k256": (4, 4, 2, 4, 1, 256, 1),
     },
@@ -40,9 +44,18 @@ SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
 # Tail split for the DEFAULT_VARIANT choice, measured on the H200 (perf-log run 12): T=3314 q6_K
 # 4096x4096 0.793 -> 0.739 ms, q4_K 4096x11008 1.266 -> 1.167; whole-wave grids (T=512) unchanged.
 DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
+# Small batches (issue 12): (largest T, variant) in increasing T, the first tier that holds T wins;
+# past the last tier the rule above. MMVQ_VARIANT: the decode GEMV (mmvq_*.cu, store mode);
+# MMSB_VARIANT (below): the small-batch GEMMs.
+MMVQ_VARIANT = "mmvq"
+SMALL_BATCH_TIERS = {
+    "q4_k": ((1, MMVQ_VARIANT), (128, "mmsb")),
+    "q6_k": ((1, MMVQ_VARIANT), (128, "mmsb")),
+}
 # What the last MMQ_CONFIGS field is, per family: "tc" (q4_K's TF32 min term) or "unroll" (q6_K).
 MMQ_LAST_FIELD = {"q4_k": "tc", "q6_k": "unroll"}
 MMQ_SPLIT_SUFFIX = "+split"
+SPLIT_MAX_PARTS = 4       # parts per split tile unless the variant names another ("+split8")
 
 
 def mmq_variants(kind: str) -> list[str]:
@@ -51,10 +64,17 @@ def mmq_variants(kind: str) -> list[str]:
 
 
 def mmq_split_name(variant: str) -> tuple[str, bool]:
-    """(MMQ_CONFIGS name, tail split?) of a variant name."""
-    if variant.endswith(MMQ_SPLIT_SUFFIX):
-        return variant[: -len(MMQ_SPLIT_SUFFIX)], True
+    """(MMQ_CONFIGS name, split?) of a variant name: NAME, NAME+split or NAME+splitP."""
+    name, sep, parts = variant.partition(MMQ_SPLIT_SUFFIX)
+    if sep and (parts == "" or (parts.isdigit() and int(parts) >= 2)):
+        return name, True
     return variant, False
+
+
+def split_max_parts(variant: str) -> int:
+    """Most K-parts per split tile of a "+split" / "+splitP" variant."""
+    tail = variant.partition(MMQ_SPLIT_SUFFIX)[2]
+    return int(tail) if tail.isdigit() else SPLIT_MAX_PARTS
 
 
 def mmq_config(kind: str, variant: str) -> tuple[int, int, int, int, int, int, int]:
@@ -78,7 +98,37 @@ def mmq_launched(kind: str) -> list[tuple[str, bool]]:
     out = [(SMALL_VARIANT[kind], False), (DEFAULT_VARIANT[kind], False)]
     if DEFAULT_SPLIT[kind]:
         out.append((DEFAULT_VARIANT[kind], True))
-    return out
+    for _, v in SMALL_BATCH_TIERS[kind]:
+        name, split = mmq_split_name(v)
+        if name in MMQ_CONFIGS[kind]:
+            out += [(name, False)] + ([(name, True)] if split else [])
+    return list(dict.fromkeys(out))
+
+
+# ----------------------------------------------------------------------------- small batch
+
+# mmsb_q4_k.cu / mmsb_q6_k.cu (launched by engine.gpu.ops.mmsb): one instance per n-tile count
+# NTT (T <= 8 NTT tokens) and, for q6_K, row layout. The variant name MMSB_VARIANT (optionally
+# "+splitP": at most P K-parts) is what choose_variant returns for them.
+MMSB_VARIANT = "mmsb"
+MMSB_NTT = (1, 2, 4, 8, 16)
+MMSB_MAX_TOKENS = 8 * MMSB_NTT[-1]
+
+
+def mmsb_ntt(tokens: int) -> int:
+    """The n-tile count of the instance that takes `tokens` (1..MMSB_MAX_TOKENS)."""
+    for n in MMSB_NTT:
+        if tokens <= 8 * n:
+            return n
+    raise ValueError(f"mmsb: {tokens} tokens is over the small-batch limit {MMSB_MAX_TOKENS}")
+
+
+def mmsb_instance(kind: str, ntt: int, padded: bool = True) -> str:
+    if kind == "q4_k":
+        return f"mmsb_q4_k<{ntt}>"
+    if kind == "q6_k":
+        return f"mmsb_q6_k<{ntt}, {str(padded).lower()}>"
+    raise ValueError(f"no small-batch kernel for {kind!r}")
 
 
 # ----------------------------------------------------------------------------- decode
@@ -133,6 +183,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
+    "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in MMSB_NTT),
+    "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in MMSB_NTT),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
                         "swiglu_mul", "set_state"),

@@ -256,8 +256,10 @@ def _rope_inputs(rng, rope_type, hd, bias):
     qkv = (rng.standard_normal((n, qd + 2 * kvd)) * 3).astype(np.float32)
     b = [(rng.standard_normal(c) * 50).astype(np.float32) if bias else None for c in (qd, kvd, kvd)]
     cos, sin = rope_tables(cfg, np.arange(start, start + n))
+    cos_all, sin_all = rope_tables(cfg, np.arange(start + n))       # the kernel's tables (rows start..)
     return {"qkv": qkv, "bq": b[0], "bk": b[1], "bv": b[2], "cos": np.ascontiguousarray(cos, np.float32),
-            "sin": np.ascontiguousarray(sin, np.float32), "H": H, "KVH": KVH, "n": n, "start": start,
+            "sin": np.ascontiguousarray(sin, np.float32), "cos_all": np.ascontiguousarray(cos_all, np.float32),
+            "sin_all": np.ascontiguousarray(sin_all, np.float32), "H": H, "KVH": KVH, "n": n, "start": start,
             "maxT": maxT, "neox": rope_type == "neox"}
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.errors import GGUFError
 from engine.gpu import kernels, registry
-from engine.gpu.ops._util import contig, null
+from engine.gpu.ops._util import ptr, contig, null
 
 # prefill
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
@@ -32,10 +32,11 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 5 * 64 * head_dim * 2
 
 
-def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None) -> None:
+def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_dev=None) -> None:
     """Causal GQA attention of the ubatch queries qh f16 [H, n, hd] (rope.cu's output) over the
     layer's cache kc/vc f16 [KVH, maxT, hd] (keys 0..start+n-1). Output: out_act (Q8Act
-    [n, H*hd], the attn_output GEMM's input) or out_f32 (float32 [n, H*hd]); exactly one."""
+    [n, H*hd], the attn_output GEMM's input) or out_f32 (float32 [n, H*hd]); exactly one.
+    start_dev (int32 [1] on the device, or None) is added to start in the kernel."""
     H, n, hd = map(int, qh.shape)
     KVH, maxT = int(kc.shape[0]), int(kc.shape[1])
     if hd not in ATT_HEAD_DIMS:
@@ -62,7 +63,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None) -> Non
     smem = attention_smem_bytes(hd)
     k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
     k(((n + ATT_BQ - 1) // ATT_BQ, H), (ATT_THREADS,),
-      (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), np.int32(start),
+      (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
 
 

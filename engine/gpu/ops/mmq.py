@@ -15,16 +15,17 @@ import numpy as np
 
 from engine.gpu import kernels
 from engine.gpu.ops._util import check_dev
+from engine.gpu.ops.mmvq import mmvq_launch
 from engine.gpu.ops.q8 import Q8Act, quantize_q8_1
 from engine.gpu.weights import DeviceWeight
 
 # The production tile choice (which config when, tail split or not) is registry data, next to the
 # instance list it decides; see engine.gpu.registry for the measurements behind it.
-from engine.gpu.registry import DEFAULT_SPLIT, DEFAULT_VARIANT, SMALL_VARIANT  # noqa: E402,F401
-
-SPLIT_MAX_PARTS = 4
+from engine.gpu.registry import (DEFAULT_SPLIT, DEFAULT_VARIANT, MMSB_VARIANT, MMVQ_VARIANT,  # noqa: E402,F401
+                                 SMALL_BATCH_TIERS, SMALL_VARIANT, SPLIT_MAX_PARTS, split_max_parts)
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_BUFFERS: dict[int, tuple] = {}
+_RETIRED_BUFFERS: list = []      # outgrown workspaces, kept: CUDA graphs (prefill_graph.py) hold their pointers
 
 
 def _sm_count() -> int:
@@ -37,7 +38,12 @@ def _sm_count() -> int:
 
 
 def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = None) -> str:
-    """Production tile variant for a [tokens x rows] MMQ output."""
+    """The production kernel for a [tokens x rows] output: the decode GEMV (MMVQ_VARIANT) or
+    an MMQ tile variant, by registry.SMALL_BATCH_TIERS, then by whether the 64-token grid
+    fits on the SMs."""
+    for max_t, v in SMALL_BATCH_TIERS[kind]:
+        if tokens <= max_t:
+            return v
     sms = sm_count if sm_count is not None else _sm_count()
     small_blocks = -(-tokens // 64) * -(-rows // 128)
     if small_blocks <= sms:
@@ -76,7 +82,8 @@ def mmq_grid(kind: str, variant: str, T: int, N: int, K: int, sm_count: int | No
     stages = K // ks
     slots = (sm_count if sm_count is not None else _sm_count()) * minb
     if split is None:
-        split = split_plan(tiles, slots, stages) if kernels.mmq_split_name(variant)[1] else (tiles, 1)
+        split = (split_plan(tiles, slots, stages, split_max_parts(variant))
+                 if kernels.mmq_split_name(variant)[1] else (tiles, 1))
     split0, parts = split
     if not (0 <= split0 <= tiles and 1 <= parts <= max(stages, 1)):
         raise ValueError(f"mmq: split {split} for {tiles} tiles of {stages} stages")
@@ -91,15 +98,20 @@ def mmq_grid(kind: str, variant: str, T: int, N: int, K: int, sm_count: int | No
 
 def _split_buffers(n_floats: int, n_slots: int):
     """Workspace float32 [>= n_floats] and counters uint32 [>= n_slots] (zero; the kernels
-    re-arm them) of the tail split, per device, grown on demand. One MMQ launch at a time
+    re-arm them) of the tail split, per device, grown on demand (an outgrown one is kept alive,
+    a captured graph may replay into it). One MMQ launch at a time
     may use them (the forward runs on one stream)."""
     import cupy as cp
 
     dev = cp.cuda.Device().id
     ws, cnt = _SPLIT_BUFFERS.get(dev, (None, None))
     if ws is None or ws.size < n_floats:
+        if ws is not None:
+            _RETIRED_BUFFERS.append(ws)       # a captured graph may still point at it
         ws = cp.empty(n_floats, dtype=cp.float32)
     if cnt is None or cnt.size < n_slots:
+        if cnt is not None:
+            _RETIRED_BUFFERS.append(cnt)
         cnt = cp.zeros(max(n_slots, 1024), dtype=cp.uint32)
     _SPLIT_BUFFERS[dev] = (ws, cnt)
     return ws, cnt
@@ -108,7 +120,7 @@ def _split_buffers(n_floats: int, n_slots: int):
 def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
         split: tuple[int, int] | None = None):
     """y[T, N] = dequant(weight) . x^T over q8_1 activations, float32, token-major.
-    Picks the q4_K or q6_K kernel from the weight; the q6_K arm (uint4 / per-byte) follows
+    Picks the q4_K or q6_K kernel from the weight (MMVQ_VARIANT: the decode GEMV, T = 1); the q6_K arm (uint4 / per-byte) follows
     the weight's layout (padded or raw). variant: a kernels.MMQ_CONFIGS name, optionally with
     "+split" (the tail split, mmq_grid); default choose_variant. split = (split0, parts)
     forces a split plan (tests)."""
@@ -132,6 +144,16 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
     if kind not in kernels.MMQ_CONFIGS:
         raise ValueError(f"mmq: no GEMM kernel for weight type {weight.type_name}")
     variant = variant or choose_variant(kind, T, N)
+    if kernels.mmq_split_name(variant)[0] == MMSB_VARIANT:
+        from engine.gpu.ops.mmsb import mmsb
+
+        return mmsb(weight, act, out, _sm_count(), variant, parts=None if split is None else split[1],
+                    workspace=_split_buffers)
+    if variant == MMVQ_VARIANT:
+        if T != 1:
+            raise ValueError(f"mmq: the {MMVQ_VARIANT} kernel takes one token, got {T}")
+        mmvq_launch([weight], [out.reshape(N)], act.q.reshape(K), act.ds.reshape(K // 32, 2), "store")
+        return out
     bm, bn, nth = kernels.mmq_tile(kind, variant)
     smem = kernels.mmq_smem_bytes(kind, variant)
     g = mmq_grid(kind, variant, T, N, K, split=split)

@@ -1,0 +1,103 @@
+// mmsb_common.cuh: the skeleton of the small-batch GEMMs (mmsb_q4_k.cu, mmsb_q6_k.cu):
+// y[T, N] = x[T, K] . W[N, K]^T for T <= 8 NTT tokens, int8 tensor cores with the WEIGHTS as the
+// MMA's A operand (16 rows) and the TOKENS as its B operand (8 columns per n-tile), so a
+// 1..128-token product is a few n-tiles and the time is set by streaming the weights once.
+//
+// Work split: block = SB_WARPS warps = SB_ROWS weight rows (16 per warp), grid (ceil(N / SB_ROWS),
+// parts): block (x, p) takes the super-blocks [p nsb / parts, (p+1) nsb / parts) of K (nsb =
+// K / 256; the host picks parts so a 4096-row matrix fills the SMs). Each warp loads its weight
+// rows straight into registers, two super-blocks ahead of their use (no shared memory, no
+// barrier on the weight path); the block's q8_1 activations are staged in shared memory
+// SB_CH super-blocks at a time (cp.async, all T tokens, zero rows past T):
+//   sq  [8 NTT][SB_CH 256 + PAD] int8, row = token (PAD: a bank-conflict-free row stride);
+//   sds [SB_CH 8][8 NTT] float2 (d8, s8), q8_1-block-major so a lane's two tokens are one
+//       16-byte load.
+// Parts > 1: the partial sums meet in a workspace (common.cuh mmq_split_reduce: fixed order,
+// the last block of a row tile to arrive sums and stores), so the result has the same bits
+// whichever block finishes last.
+//
+// Accumulator layout (m16n8 D fragment, g = lane >> 2, t = lane & 3), per n-tile nt:
+//   acc[nt][0] = (row g, token 8 nt + 2t), [1] = (row g, token 8 nt + 2t + 1),
+//   acc[nt][2] = (row g + 8, token 8 nt + 2t), [3] = (row g + 8, token 8 nt + 2t + 1).
+#pragma once
+
+#define SB_WARPS 4
+#define SB_ROWS (16 * SB_WARPS)
+#define SB_THREADS (32 * SB_WARPS)
+#define SB_CH 2
+
+#ifndef GGP_EMU   // PTX only (tensor cores, async copies)
+
+// 8-byte weight load that skips L1 (each weight byte is read once).
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// 8-byte global -> shared copy through L1; src_bytes = 0 zero-fills.
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+template <int NTT, int PAD>
+struct SbLayout {
+    static constexpr int TP = 8 * NTT;                  // tokens staged (T rounded up to n-tiles)
+    static constexpr int RS = SB_CH * 256 + PAD;         // sq row stride (bytes)
+    static constexpr int Q_BYTES = TP * RS;
+    static constexpr int DS_BYTES = SB_CH * 8 * TP * 8;
+    static constexpr int SMEM = Q_BYTES + DS_BYTES;
+};
+
+// Stage the activations of super-blocks [c0, c0 + n) (n <= SB_CH) for the TP tokens.
+template <int NTT, int PAD>
+__device__ __forceinline__ void sb_stage(u32 sq, u32 sds, const i8* __restrict__ Aq,
+                                         const float2* __restrict__ Ads, int T, int K, int c0, int n,
+                                         int tid) {
+    using L = SbLayout<NTT, PAD>;
+    const int cpr = n * 16;                             // 16-byte chunks per token row
+    for (int i = tid; i < L::TP * cpr; i += SB_THREADS) {
+        const int t = i / cpr, ch = i - t * cpr;
+        const bool ok = t < T;
+        const i8* src = ok ? Aq + (size_t)t * K + (size_t)c0 * 256 + ch * 16 : Aq;
+        cp_async16(sq + t * L::RS + ch * 16, src, ok ? 16 : 0);
+    }
+    const int dpr = n * 8;                              // q8_1 blocks per token row
+    for (int i = tid; i < L::TP * dpr; i += SB_THREADS) {
+        const int t = i / dpr, j = i - t * dpr;
+        const bool ok = t < T;
+        const float2* src = ok ? Ads + (size_t)t * (K >> 5) + (size_t)c0 * 8 + j : Ads;
+        cp_async8(sds + (j * L::TP + t) * 8, src, ok ? 8 : 0);
+    }
+}
+
+// The block's super-block range and, with parts > 1, its place in the split reduction.
+__device__ __forceinline__ MmqWork sb_work(int nsb, int parts) {
+    MmqWork w;
+    w.slot = blockIdx.x;
+    w.part = blockIdx.y;
+    w.s0 = (int)((long long)blockIdx.y * nsb / parts);
+    w.s1 = (int)((long long)(blockIdx.y + 1) * nsb / parts);
+    w.n_base = blockIdx.x * SB_ROWS;
+    w.m_base = 0;
+    return w;
+}
+
+// acc -> y[t, n] (row-major [T, N]); rows >= N and tokens >= T are not stored.
+template <int NTT>
+__device__ __forceinline__ void sb_store(float* __restrict__ Y, const float (&acc)[1][NTT][4], int T,
+                                         int N, int row0, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NTT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = row0 + g + 8 * (i >> 1);
+            const int tok = 8 * nt + 2 * t4 + (i & 1);
+            if (n < N && tok < T) Y[(size_t)tok * N + n] = acc[0][nt][i];
+        }
+    }
+}
+
+#endif  // GGP_EMU

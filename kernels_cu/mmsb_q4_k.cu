@@ -1,0 +1,157 @@
+// mmsb_q4_k.cu: small-batch GEMM y[T, N] = x[T, K] . W[N, K]^T, W in q4_K blocks, x in q8_1
+// blocks, T <= 8 NTT (NTT = 1, 2, 4, 8, 16 n-tiles), f32 output [T, N]; skeleton, grid and
+// shared-memory layout in mmsb_common.cuh (weights = MMA A operand, tokens = B operand).
+//
+// Inputs: W uint8 [N, K/256 * 144] (GGUF q4_K rows: d f16 @0, dmin f16 @2, scales[12] @4,
+//         qs[128] @16; qs chunk c = bytes 32c..32c+31 holds sub-block 2c in the low nibbles and
+//         2c+1 in the high nibbles); Aq int8 [T, K], Ads float2 [T, K/32] = (d8, s8).
+// Formula (engine.reference.mmq.mmq_reference_q4_k), per row n, token t, super-block b:
+//   y[t,n] += sum_j (d sc_j) d8[t,j] dot_j  -  dmin sum_j m_j s8[t,j]      (j = 0..7)
+//
+// Fragments: lane (g, t) loads 8 bytes of chunk c at offset 8t for rows g and g+8 (one 32-byte
+// sector per row per warp load). The MMA's k order is permuted inside a sub-block, the same way
+// for both operands: logical k 4t..4t+3 = element 8t..8t+3, logical k 16+4t.. = element 8t+4..
+// So a0/a2 = the two words of row g (low nibbles: sub-block 2c; high: 2c+1), a1/a3 = row g+8,
+// and b0/b1 = the 8 activation bytes of token g at element 8t (one 8-byte shared load).
+// Scale term, as mmq_q4_k.cu: the MMA accumulates onto C = MMQ_MAGIC_I (D as a float = M + dot
+// exactly), then u = fma(D, dsc, -M dsc) = round(dot dsc), acc = fma(u, d8, acc).
+// Min term once per super-block on TF32 tensor cores (as mmq_q4_k.cu's TCMIN arm): Z = m . s8
+// over the 8 sub-blocks (m16n8k8: a = m_t, m_{t+4} of rows g, g+8, exact; b = s8 of token g,
+// sub-blocks t, t+4, split hi + lo), acc = fma(-dmin, Z, acc).
+// Shared-memory row stride of the activations: 2 x 256 + 32 bytes (== 32 mod 128: the 8-byte
+// loads of a half-warp, 4 tokens x 32 bytes, hit 32 distinct banks).
+#include "common.cuh"
+#include "mmsb_common.cuh"
+
+#define SB4_PAD 32
+
+struct Q4Sb {               // one super-block of a lane's two rows
+    uint4 hdr[2];           // rows g, g+8: d, dmin, scales
+    uint2 qs[2][4];         // [row][chunk]: 8 bytes at chunk offset 8t
+};
+
+__device__ __forceinline__ void q4sb_load(Q4Sb& s, const u8* rg, const u8* rh, int sb, int t4) {
+    const u8* bg = rg + (size_t)sb * 144;
+    const u8* bh = rh + (size_t)sb * 144;
+    s.hdr[0] = __ldg(reinterpret_cast<const uint4*>(bg));
+    s.hdr[1] = __ldg(reinterpret_cast<const uint4*>(bh));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        s.qs[0][c] = ld_stream8(bg + 16 + 32 * c + 8 * t4);
+        s.qs[1][c] = ld_stream8(bh + 16 + 32 * c + 8 * t4);
+    }
+}
+
+// 6-bit scale / min of sub-block j (ggml get_scale_min_k4) from the header words.
+__device__ __forceinline__ void q4_scale_min(const uint4& h, int j, int& sc, int& m) {
+    const int sh = 8 * (j & 3);
+    const u32 b0 = (h.y >> sh) & 0xFF, b1 = (h.z >> sh) & 0xFF, b2 = (h.w >> sh) & 0xFF;
+    if (j < 4) { sc = b0 & 63; m = b1 & 63; }
+    else       { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
+}
+
+template <int NTT>
+__device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb& s, const u8* sqb,
+                                             const float* sdsb, int g, int t4) {
+    using L = SbLayout<NTT, SB4_PAD>;
+    const float dg = f16_to_f32((u16)(s.hdr[0].x & 0xFFFF)), dh = f16_to_f32((u16)(s.hdr[1].x & 0xFFFF));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int j = 2 * c + hi;
+            const int sh = 4 * hi;
+            const u32 a0 = (s.qs[0][c].x >> sh) & 0x0F0F0F0Fu, a2 = (s.qs[0][c].y >> sh) & 0x0F0F0F0Fu;
+            const u32 a1 = (s.qs[1][c].x >> sh) & 0x0F0F0F0Fu, a3 = (s.qs[1][c].y >> sh) & 0x0F0F0F0Fu;
+            int scg, sch, mdummy;
+            q4_scale_min(s.hdr[0], j, scg, mdummy);
+            q4_scale_min(s.hdr[1], j, sch, mdummy);
+            const float dsg = dg * (float)scg, dsh = dh * (float)sch;
+            const float mdsg = -MMQ_MAGIC_F * dsg, mdsh = -MMQ_MAGIC_F * dsh;
+#pragma unroll
+            for (int nt = 0; nt < NTT; ++nt) {
+                const uint2 b = *reinterpret_cast<const uint2*>(sqb + (8 * nt + g) * L::RS + 32 * j + 8 * t4);
+                int d[4];
+                mma_s8_k32(d, a0, a1, a2, a3, b.x, b.y, MMQ_MAGIC_I);
+                const float4 ds = *reinterpret_cast<const float4*>(sdsb + 2 * (j * L::TP + 8 * nt + 2 * t4));
+                float* o = acc[0][nt];
+                o[0] = fmaf(fmaf(__int_as_float(d[0]), dsg, mdsg), ds.x, o[0]);
+                o[1] = fmaf(fmaf(__int_as_float(d[1]), dsg, mdsg), ds.z, o[1]);
+                o[2] = fmaf(fmaf(__int_as_float(d[2]), dsh, mdsh), ds.x, o[2]);
+                o[3] = fmaf(fmaf(__int_as_float(d[3]), dsh, mdsh), ds.z, o[3]);
+            }
+        }
+    }
+    // min term of the super-block: Z[n, tok] = sum_j m[n, j] s8[tok, j] (TF32, s8 hi + lo)
+    int sdummy, m0g, m4g, m0h, m4h;
+    q4_scale_min(s.hdr[0], t4, sdummy, m0g);
+    q4_scale_min(s.hdr[0], t4 + 4, sdummy, m4g);
+    q4_scale_min(s.hdr[1], t4, sdummy, m0h);
+    q4_scale_min(s.hdr[1], t4 + 4, sdummy, m4h);
+    const u32 am0 = __float_as_uint((float)m0g), am1 = __float_as_uint((float)m0h);
+    const u32 am2 = __float_as_uint((float)m4g), am3 = __float_as_uint((float)m4h);
+    const float ndg = -f16_to_f32((u16)(s.hdr[0].x >> 16)), ndh = -f16_to_f32((u16)(s.hdr[1].x >> 16));
+#pragma unroll
+    for (int nt = 0; nt < NTT; ++nt) {
+        const float s0 = sdsb[2 * (t4 * L::TP + 8 * nt + g) + 1];
+        const float s4 = sdsb[2 * ((t4 + 4) * L::TP + 8 * nt + g) + 1];
+        const u32 h0 = f32_to_tf32(s0), h4 = f32_to_tf32(s4);
+        const u32 l0 = f32_to_tf32(s0 - __uint_as_float(h0)), l4 = f32_to_tf32(s4 - __uint_as_float(h4));
+        float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_tf32_k8(z, am0, am1, am2, am3, h0, h4);
+        mma_tf32_k8(z, am0, am1, am2, am3, l0, l4);
+        float* o = acc[0][nt];
+        o[0] = fmaf(ndg, z[0], o[0]);
+        o[1] = fmaf(ndg, z[1], o[1]);
+        o[2] = fmaf(ndh, z[2], o[2]);
+        o[3] = fmaf(ndh, z[3], o[3]);
+    }
+}
+
+template <int NTT>
+__global__ void __launch_bounds__(SB_THREADS)
+mmsb_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
+          float* __restrict__ Y, int T, int N, int K, int parts, float* __restrict__ Wsp,
+          u32* __restrict__ Cnt) {
+    using L = SbLayout<NTT, SB4_PAD>;
+    extern __shared__ __align__(16) u8 smem[];
+    if (dyn_smem_bytes() < (u32)L::SMEM) __trap();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const MmqWork wk = sb_work(K >> 8, parts);
+    const int row0 = wk.n_base + 16 * warp;
+    const size_t rb = (size_t)(K >> 8) * 144;
+    const u8* rg = W + (size_t)min(row0 + g, N - 1) * rb;        // rows past N: read row N-1, never stored
+    const u8* rh = W + (size_t)min(row0 + g + 8, N - 1) * rb;
+    const u32 sq = smem_u32(smem), sds = sq + L::Q_BYTES;
+    const u8* sqp = smem;
+    const float* sdsp = reinterpret_cast<const float*>(smem + L::Q_BYTES);
+
+    float acc[1][NTT][4];
+#pragma unroll
+    for (int nt = 0; nt < NTT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
+
+    // weights two super-blocks ahead of their use
+    Q4Sb cur, nxt;
+    if (wk.s0 < wk.s1) q4sb_load(cur, rg, rh, wk.s0, t4);
+    if (wk.s0 + 1 < wk.s1) q4sb_load(nxt, rg, rh, wk.s0 + 1, t4);
+    for (int c0 = wk.s0; c0 < wk.s1; c0 += SB_CH) {
+        const int n = min(SB_CH, wk.s1 - c0);
+        if (c0 > wk.s0) __syncthreads();                    // the previous chunk is consumed
+        sb_stage<NTT, SB4_PAD>(sq, sds, Aq, Ads, T, K, c0, n, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+            const Q4Sb use = cur;
+            cur = nxt;
+            if (c0 + i + 2 < wk.s1) q4sb_load(nxt, rg, rh, c0 + i + 2, t4);
+            q4sb_compute<NTT>(acc, use, sqp + 256 * i, sdsp + 2 * 8 * i * L::TP, g, t4);
+        }
+    }
+    if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(acc, wk, parts, Wsp, Cnt, tid)) return;
+    sb_store<NTT>(Y, acc, T, N, row0, lane);
+}

@@ -1,0 +1,154 @@
+// mmsb_q6_k.cu: small-batch GEMM y[T, N] = x[T, K] . W[N, K]^T, W in q6_K blocks (raw 210-byte
+// or padded 224-byte), x in q8_1 blocks, T <= 8 NTT, f32 output [T, N]; skeleton, grid and
+// shared-memory layout in mmsb_common.cuh (weights = MMA A operand, tokens = B operand).
+//
+// Inputs: W uint8 [N, K/256 * BS] (ql[128] @0, qh[64] @128, sc[16] int8 @192, d f16 @208;
+//         BS = 224 with 14 zero bytes, or 210); Aq int8 [T, K], Ads float2 [T, K/32].
+// Formula (engine.reference.mmq.mmq_reference_q6_k), 16-element sub-blocks j, q8_1 block j/2:
+//   y[t,n] += sum_j (d sc_j) d8[t, j/2] sum_i (q6[j,i] - 32) q8[t, 16 j + i]
+//
+// Fragments (m16n8k16, k in natural order): unit (h, l0), h = half, l0 in {0, 16}: lane (g, t)
+// loads the words ql[64h + l0 + 4t], ql[64h + 32 + l0 + 4t], qh[32h + l0 + 4t] of rows g and
+// g+8; common.cuh q6_word(.., qq) turns them into the 4 centred int8 of elements
+// 128h + 32qq + l0 + 4t.. = positions 4t..4t+3 of sub-block j = 8h + 2qq + l0/16: the A
+// fragment a0 (row g) / a1 (row g+8) of that sub-block, against b0 = the activation word of
+// token g at the same elements (one 4-byte shared load). Padded rows: 4-byte loads; raw rows
+// (2-byte aligned): the same words from 2-byte loads, so both layouts give the same bits.
+// Scale term, as mmq_q6_k.cu: D = M + dot (C = MMQ_MAGIC_I), u = fma(D_lo, dsc_lo, -M dsc_lo),
+// v = fma(D_hi, dsc_hi, -M dsc_hi) for the two sub-blocks (l0 = 0, 16) of a q8_1 block, then
+// acc = fma(u + v, d8, acc).
+// Shared-memory row stride of the activations: 2 x 256 + 16 bytes (== 16 mod 128: the 4-byte
+// loads of a warp, 8 tokens x 16 bytes, hit 32 distinct banks).
+#include "common.cuh"
+#include "mmsb_common.cuh"
+
+#define SB6_PAD 16
+
+template <bool PADDED>
+__device__ __forceinline__ u32 ld_w32(const u8* p) {        // 4 bytes at p (raw: 2-byte aligned)
+    if (PADDED) return __ldg(reinterpret_cast<const u32*>(p));
+    const u16* q = reinterpret_cast<const u16*>(p);
+    return (u32)__ldg(q) | ((u32)__ldg(q + 1) << 16);
+}
+
+struct Q6Sb {               // one super-block of a lane's two rows
+    u32 ql0[2][2][2];       // [row][h][l0 / 16]: ql[64h + l0 + 4t]
+    u32 ql1[2][2][2];       //                    ql[64h + 32 + l0 + 4t]
+    u32 qh[2][2][2];        //                    qh[32h + l0 + 4t]
+    u32 sc[2][4];           // [row]: the 16 int8 scales
+    u32 d[2];               // [row]: d (f16, low 16 bits)
+};
+
+template <bool PADDED>
+__device__ __forceinline__ void q6sb_load(Q6Sb& s, const u8* rg, const u8* rh, int sb, int t4) {
+    constexpr int BS = PADDED ? 224 : 210;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u8* b = (r ? rh : rg) + (size_t)sb * BS;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int l = 0; l < 2; ++l) {
+                s.ql0[r][h][l] = ld_w32<PADDED>(b + 64 * h + 16 * l + 4 * t4);
+                s.ql1[r][h][l] = ld_w32<PADDED>(b + 64 * h + 32 + 16 * l + 4 * t4);
+                s.qh[r][h][l] = ld_w32<PADDED>(b + 128 + 32 * h + 16 * l + 4 * t4);
+            }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) s.sc[r][w] = ld_w32<PADDED>(b + 192 + 4 * w);
+        s.d[r] = (u32)__ldg(reinterpret_cast<const u16*>(b + 208));
+    }
+}
+
+template <int NTT>
+__device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb& s, const u8* sqb,
+                                             const float* sdsb, int g, int t4) {
+    using L = SbLayout<NTT, SB6_PAD>;
+    const float dg = f16_to_f32((u16)s.d[0]), dh = f16_to_f32((u16)s.d[1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+            const int blk = 4 * h + qq;                      // q8_1 block of the super-block
+            // A words of the two sub-blocks 2 blk (l = 0) and 2 blk + 1 (l = 1), rows g / g+8
+            u32 a[2][2];
+            float ds[2][2], mds[2][2];
+#pragma unroll
+            for (int l = 0; l < 2; ++l)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const u32 qlw = (qq & 1) ? s.ql1[r][h][l] : s.ql0[r][h][l];
+                    a[l][r] = q6_word(qlw, s.qh[r][h][l], qq);
+                    const int j = 2 * blk + l;              // scale byte j of sc
+                    const int sc = (int)(signed char)(s.sc[r][j >> 2] >> (8 * (j & 3)));
+                    ds[l][r] = (r ? dh : dg) * (float)sc;
+                    mds[l][r] = -MMQ_MAGIC_F * ds[l][r];
+                }
+#pragma unroll
+            for (int nt = 0; nt < NTT; ++nt) {
+                const u8* brow = sqb + (8 * nt + g) * L::RS + 32 * blk + 4 * t4;
+                const u32 b0 = *reinterpret_cast<const u32*>(brow);
+                const u32 b1 = *reinterpret_cast<const u32*>(brow + 16);
+                int dl[4], dhi[4];
+                mma_s8_k16(dl, a[0][0], a[0][1], b0, MMQ_MAGIC_I);
+                mma_s8_k16(dhi, a[1][0], a[1][1], b1, MMQ_MAGIC_I);
+                const float4 d8 = *reinterpret_cast<const float4*>(sdsb + 2 * (blk * L::TP + 8 * nt + 2 * t4));
+                float* o = acc[0][nt];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = i >> 1;
+                    const float u = fmaf(__int_as_float(dl[i]), ds[0][r], mds[0][r]);
+                    const float v = fmaf(__int_as_float(dhi[i]), ds[1][r], mds[1][r]);
+                    o[i] = fmaf(u + v, (i & 1) ? d8.z : d8.x, o[i]);
+                }
+            }
+        }
+    }
+}
+
+template <int NTT, bool PADDED>
+__global__ void __launch_bounds__(SB_THREADS)
+mmsb_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
+          float* __restrict__ Y, int T, int N, int K, int parts, float* __restrict__ Wsp,
+          u32* __restrict__ Cnt) {
+    using L = SbLayout<NTT, SB6_PAD>;
+    constexpr int BS = PADDED ? 224 : 210;
+    extern __shared__ __align__(16) u8 smem[];
+    if (dyn_smem_bytes() < (u32)L::SMEM) __trap();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const MmqWork wk = sb_work(K >> 8, parts);
+    const int row0 = wk.n_base + 16 * warp;
+    const size_t rb = (size_t)(K >> 8) * BS;
+    const u8* rg = W + (size_t)min(row0 + g, N - 1) * rb;        // rows past N: read row N-1, never stored
+    const u8* rh = W + (size_t)min(row0 + g + 8, N - 1) * rb;
+    const u32 sq = smem_u32(smem), sds = sq + L::Q_BYTES;
+    const u8* sqp = smem;
+    const float* sdsp = reinterpret_cast<const float*>(smem + L::Q_BYTES);
+
+    float acc[1][NTT][4];
+#pragma unroll
+    for (int nt = 0; nt < NTT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
+
+    Q6Sb cur, nxt;
+    if (wk.s0 < wk.s1) q6sb_load<PADDED>(cur, rg, rh, wk.s0, t4);
+    if (wk.s0 + 1 < wk.s1) q6sb_load<PADDED>(nxt, rg, rh, wk.s0 + 1, t4);
+    for (int c0 = wk.s0; c0 < wk.s1; c0 += SB_CH) {
+        const int n = min(SB_CH, wk.s1 - c0);
+        if (c0 > wk.s0) __syncthreads();
+        sb_stage<NTT, SB6_PAD>(sq, sds, Aq, Ads, T, K, c0, n, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+            const Q6Sb use = cur;
+            cur = nxt;
+            if (c0 + i + 2 < wk.s1) q6sb_load<PADDED>(nxt, rg, rh, c0 + i + 2, t4);
+            q6sb_compute<NTT>(acc, use, sqp + 256 * i, sdsp + 2 * 8 * i * L::TP, g, t4);
+        }
+    }
+    if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(acc, wk, parts, Wsp, Cnt, tid)) return;
+    sb_store<NTT>(Y, acc, T, N, row0, lane);
+}
