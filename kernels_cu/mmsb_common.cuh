@@ -1,16 +1,17 @@
 // mmsb_common.cuh: the skeleton of the small-batch GEMMs (mmsb_q4_k.cu, mmsb_q6_k.cu):
 // y[T, N] = x[T, K] . W[N, K]^T for T <= 8 NTT tokens, int8 tensor cores with the WEIGHTS as the
 // MMA's A operand (16 rows) and the TOKENS as its B operand (8 columns per n-tile), so a
-// 1..128-token product is a few n-tiles and the time is set by streaming the weights once.
+// few-token product is one or two n-tiles and the time is set by streaming the weights once.
 //
 // Work split: block = SB_WARPS warps = SB_ROWS weight rows (16 per warp), grid (ceil(N / SB_ROWS),
 // parts): block (x, p) takes the super-blocks [p nsb / parts, (p+1) nsb / parts) of K (nsb =
 // K / 256; the host picks parts so a 4096-row matrix fills the SMs). Each warp loads its weight
 // rows straight into registers, two super-blocks ahead of their use (no shared memory, no
-// barrier on the weight path); the block's q8_1 activations are staged in shared memory
-// SB_CH super-blocks at a time (cp.async, all T tokens, zero rows past T):
-//   sq  [8 NTT][SB_CH 256 + PAD] int8, row = token (PAD: a bank-conflict-free row stride);
-//   sds [SB_CH 8][8 NTT] float2 (d8, s8), q8_1-block-major so a lane's two tokens are one
+// barrier on the weight path), D super-blocks ahead of their use (a ring of D register sets,
+// D per instance); the block's q8_1 activations are staged in shared memory `ch` super-blocks
+// at a time (cp.async, all T tokens, zero rows past T; ch = the whole range when it fits):
+//   sq  [8 NTT][ch 256 + PAD] int8, row = token (PAD: a bank-conflict-free row stride);
+//   sds [ch 8][8 NTT] float2 (d8, s8), q8_1-block-major so a lane's two tokens are one
 //       16-byte load.
 // Parts > 1: the partial sums meet in a workspace (common.cuh mmq_split_reduce: fixed order,
 // the last block of a row tile to arrive sums and stores), so the result has the same bits
@@ -24,7 +25,6 @@
 #define SB_WARPS 4
 #define SB_ROWS (16 * SB_WARPS)
 #define SB_THREADS (32 * SB_WARPS)
-#define SB_CH 2
 
 #ifndef GGP_EMU   // PTX only (tensor cores, async copies)
 
@@ -41,34 +41,36 @@ __device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_byte
                  :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// Shared-memory layout of a stage of `ch` super-blocks (ch: a kernel argument, the host's
+// choice: the block's whole K range when it fits, so the activations land in one round trip).
 template <int NTT, int PAD>
 struct SbLayout {
     static constexpr int TP = 8 * NTT;                  // tokens staged (T rounded up to n-tiles)
-    static constexpr int RS = SB_CH * 256 + PAD;         // sq row stride (bytes)
-    static constexpr int Q_BYTES = TP * RS;
-    static constexpr int DS_BYTES = SB_CH * 8 * TP * 8;
-    static constexpr int SMEM = Q_BYTES + DS_BYTES;
+    int rs;                                             // sq row stride (bytes): ch 256 + PAD
+    int q_bytes;
+    __device__ __forceinline__ explicit SbLayout(int ch) : rs(ch * 256 + PAD), q_bytes(TP * rs) {}
+    __device__ __forceinline__ int smem(int ch) const { return q_bytes + ch * 8 * TP * 8; }
 };
 
-// Stage the activations of super-blocks [c0, c0 + n) (n <= SB_CH) for the TP tokens.
+// Stage the activations of super-blocks [c0, c0 + n) (n <= ch) for the TP tokens.
 template <int NTT, int PAD>
-__device__ __forceinline__ void sb_stage(u32 sq, u32 sds, const i8* __restrict__ Aq,
-                                         const float2* __restrict__ Ads, int T, int K, int c0, int n,
-                                         int tid) {
-    using L = SbLayout<NTT, PAD>;
+__device__ __forceinline__ void sb_stage(const SbLayout<NTT, PAD>& L, u32 sq, u32 sds,
+                                         const i8* __restrict__ Aq, const float2* __restrict__ Ads,
+                                         int T, int K, int c0, int n, int tid) {
+    constexpr int TP = SbLayout<NTT, PAD>::TP;
     const int cpr = n * 16;                             // 16-byte chunks per token row
-    for (int i = tid; i < L::TP * cpr; i += SB_THREADS) {
-        const int t = i / cpr, ch = i - t * cpr;
+    for (int i = tid; i < TP * cpr; i += SB_THREADS) {
+        const int t = i / cpr, c = i - t * cpr;
         const bool ok = t < T;
-        const i8* src = ok ? Aq + (size_t)t * K + (size_t)c0 * 256 + ch * 16 : Aq;
-        cp_async16(sq + t * L::RS + ch * 16, src, ok ? 16 : 0);
+        const i8* src = ok ? Aq + (size_t)t * K + (size_t)c0 * 256 + c * 16 : Aq;
+        cp_async16(sq + t * L.rs + c * 16, src, ok ? 16 : 0);
     }
     const int dpr = n * 8;                              // q8_1 blocks per token row
-    for (int i = tid; i < L::TP * dpr; i += SB_THREADS) {
+    for (int i = tid; i < TP * dpr; i += SB_THREADS) {
         const int t = i / dpr, j = i - t * dpr;
         const bool ok = t < T;
         const float2* src = ok ? Ads + (size_t)t * (K >> 5) + (size_t)c0 * 8 + j : Ads;
-        cp_async8(sds + (j * L::TP + t) * 8, src, ok ? 8 : 0);
+        cp_async8(sds + (j * TP + t) * 8, src, ok ? 8 : 0);
     }
 }
 
@@ -82,6 +84,44 @@ __device__ __forceinline__ MmqWork sb_work(int nsb, int parts) {
     w.n_base = blockIdx.x * SB_ROWS;
     w.m_base = 0;
     return w;
+}
+
+// The K loop of a warp: `buf` is a ring of D register sets (Body::Sb), each loaded D
+// super-blocks ahead of its use; the activations are staged `ch` super-blocks at a time with
+// two block barriers per stage (uniform: every warp walks the same super-blocks).
+template <int NTT, int PAD, int D, class Body>
+__device__ __forceinline__ void sb_loop(Body& body, const SbLayout<NTT, PAD>& L, const MmqWork& wk,
+                                        const i8* __restrict__ Aq, const float2* __restrict__ Ads,
+                                        int T, int K, int ch, u8* smem, int tid) {
+    constexpr int TP = SbLayout<NTT, PAD>::TP;
+    const u32 sq = smem_u32(smem), sds = sq + L.q_bytes;
+    const float* sdsp = reinterpret_cast<const float*>(smem + L.q_bytes);
+    typename Body::Sb buf[D];
+#pragma unroll
+    for (int r = 0; r < D; ++r)
+        if (wk.s0 + r < wk.s1) body.load(buf[r], wk.s0 + r);
+    int c_begin = wk.s0, c_end = wk.s0;
+    for (int base = wk.s0; base < wk.s1; base += D) {
+#pragma unroll
+        for (int r = 0; r < D; ++r) {
+            const int sb = base + r;
+            if (sb < wk.s1) {
+                if (sb == c_end) {
+                    if (sb > wk.s0) __syncthreads();        // the previous stage is consumed
+                    const int n = min(ch, wk.s1 - sb);
+                    sb_stage<NTT, PAD>(L, sq, sds, Aq, Ads, T, K, sb, n, tid);
+                    cp_async_commit();
+                    cp_async_wait<0>();
+                    __syncthreads();
+                    c_begin = sb;
+                    c_end = sb + n;
+                }
+                const int i = sb - c_begin;
+                body.compute(buf[r], smem + 256 * i, L.rs, sdsp + 2 * 8 * i * TP);
+                if (sb + D < wk.s1) body.load(buf[r], sb + D);
+            }
+        }
+    }
 }
 
 // acc -> y[t, n] (row-major [T, N]); rows >= N and tokens >= T are not stored.

@@ -1,5 +1,5 @@
 // mmsb_q4_k.cu: small-batch GEMM y[T, N] = x[T, K] . W[N, K]^T, W in q4_K blocks, x in q8_1
-// blocks, T <= 8 NTT (NTT = 1, 2, 4, 8, 16 n-tiles), f32 output [T, N]; skeleton, grid and
+// blocks, T <= 8 NTT (NTT = 1, 2 n-tiles: registry.MMSB_NTT), f32 output [T, N]; skeleton, grid and
 // shared-memory layout in mmsb_common.cuh (weights = MMA A operand, tokens = B operand).
 //
 // Inputs: W uint8 [N, K/256 * 144] (GGUF q4_K rows: d f16 @0, dmin f16 @2, scales[12] @4,
@@ -18,7 +18,7 @@
 // Min term once per super-block on TF32 tensor cores (as mmq_q4_k.cu's TCMIN arm): Z = m . s8
 // over the 8 sub-blocks (m16n8k8: a = m_t, m_{t+4} of rows g, g+8, exact; b = s8 of token g,
 // sub-blocks t, t+4, split hi + lo), acc = fma(-dmin, Z, acc).
-// Shared-memory row stride of the activations: 2 x 256 + 32 bytes (== 32 mod 128: the 8-byte
+// Shared-memory row stride of the activations: ch x 256 + 32 bytes (== 32 mod 128: the 8-byte
 // loads of a half-warp, 4 tokens x 32 bytes, hit 32 distinct banks).
 #include "common.cuh"
 #include "mmsb_common.cuh"
@@ -51,9 +51,9 @@ __device__ __forceinline__ void q4_scale_min(const uint4& h, int j, int& sc, int
 }
 
 template <int NTT>
-__device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb& s, const u8* sqb,
+__device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb& s, const u8* sqb, int rs,
                                              const float* sdsb, int g, int t4) {
-    using L = SbLayout<NTT, SB4_PAD>;
+    constexpr int TP = 8 * NTT;
     const float dg = f16_to_f32((u16)(s.hdr[0].x & 0xFFFF)), dh = f16_to_f32((u16)(s.hdr[1].x & 0xFFFF));
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -70,10 +70,10 @@ __device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb
             const float mdsg = -MMQ_MAGIC_F * dsg, mdsh = -MMQ_MAGIC_F * dsh;
 #pragma unroll
             for (int nt = 0; nt < NTT; ++nt) {
-                const uint2 b = *reinterpret_cast<const uint2*>(sqb + (8 * nt + g) * L::RS + 32 * j + 8 * t4);
+                const uint2 b = *reinterpret_cast<const uint2*>(sqb + (8 * nt + g) * rs + 32 * j + 8 * t4);
                 int d[4];
                 mma_s8_k32(d, a0, a1, a2, a3, b.x, b.y, MMQ_MAGIC_I);
-                const float4 ds = *reinterpret_cast<const float4*>(sdsb + 2 * (j * L::TP + 8 * nt + 2 * t4));
+                const float4 ds = *reinterpret_cast<const float4*>(sdsb + 2 * (j * TP + 8 * nt + 2 * t4));
                 float* o = acc[0][nt];
                 o[0] = fmaf(fmaf(__int_as_float(d[0]), dsg, mdsg), ds.x, o[0]);
                 o[1] = fmaf(fmaf(__int_as_float(d[1]), dsg, mdsg), ds.z, o[1]);
@@ -93,8 +93,8 @@ __device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb
     const float ndg = -f16_to_f32((u16)(s.hdr[0].x >> 16)), ndh = -f16_to_f32((u16)(s.hdr[1].x >> 16));
 #pragma unroll
     for (int nt = 0; nt < NTT; ++nt) {
-        const float s0 = sdsb[2 * (t4 * L::TP + 8 * nt + g) + 1];
-        const float s4 = sdsb[2 * ((t4 + 4) * L::TP + 8 * nt + g) + 1];
+        const float s0 = sdsb[2 * (t4 * TP + 8 * nt + g) + 1];
+        const float s4 = sdsb[2 * ((t4 + 4) * TP + 8 * nt + g) + 1];
         const u32 h0 = f32_to_tf32(s0), h4 = f32_to_tf32(s4);
         const u32 l0 = f32_to_tf32(s0 - __uint_as_float(h0)), l4 = f32_to_tf32(s4 - __uint_as_float(h4));
         float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -108,50 +108,43 @@ __device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb
     }
 }
 
+// Register sets in flight per warp (24 registers each).
+#define SB4_DEPTH 4
+
+template <int NTT>
+struct Q4Body {
+    using Sb = Q4Sb;
+    float (&acc)[1][NTT][4];
+    const u8* rg;
+    const u8* rh;
+    int g, t4;
+    __device__ __forceinline__ void load(Sb& s, int sb) const { q4sb_load(s, rg, rh, sb, t4); }
+    __device__ __forceinline__ void compute(const Sb& s, const u8* sqb, int rs, const float* sdsb) {
+        q4sb_compute<NTT>(acc, s, sqb, rs, sdsb, g, t4);
+    }
+};
+
 template <int NTT>
 __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
-          float* __restrict__ Y, int T, int N, int K, int parts, float* __restrict__ Wsp,
+          float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
-    using L = SbLayout<NTT, SB4_PAD>;
+    const SbLayout<NTT, SB4_PAD> L(ch);
     extern __shared__ __align__(16) u8 smem[];
-    if (dyn_smem_bytes() < (u32)L::SMEM) __trap();
+    if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const MmqWork wk = sb_work(K >> 8, parts);
     const int row0 = wk.n_base + 16 * warp;
     const size_t rb = (size_t)(K >> 8) * 144;
-    const u8* rg = W + (size_t)min(row0 + g, N - 1) * rb;        // rows past N: read row N-1, never stored
-    const u8* rh = W + (size_t)min(row0 + g + 8, N - 1) * rb;
-    const u32 sq = smem_u32(smem), sds = sq + L::Q_BYTES;
-    const u8* sqp = smem;
-    const float* sdsp = reinterpret_cast<const float*>(smem + L::Q_BYTES);
-
     float acc[1][NTT][4];
 #pragma unroll
     for (int nt = 0; nt < NTT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
-
-    // weights two super-blocks ahead of their use
-    Q4Sb cur, nxt;
-    if (wk.s0 < wk.s1) q4sb_load(cur, rg, rh, wk.s0, t4);
-    if (wk.s0 + 1 < wk.s1) q4sb_load(nxt, rg, rh, wk.s0 + 1, t4);
-    for (int c0 = wk.s0; c0 < wk.s1; c0 += SB_CH) {
-        const int n = min(SB_CH, wk.s1 - c0);
-        if (c0 > wk.s0) __syncthreads();                    // the previous chunk is consumed
-        sb_stage<NTT, SB4_PAD>(sq, sds, Aq, Ads, T, K, c0, n, tid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-#pragma unroll 1
-        for (int i = 0; i < n; ++i) {
-            const Q4Sb use = cur;
-            cur = nxt;
-            if (c0 + i + 2 < wk.s1) q4sb_load(nxt, rg, rh, c0 + i + 2, t4);
-            q4sb_compute<NTT>(acc, use, sqp + 256 * i, sdsp + 2 * 8 * i * L::TP, g, t4);
-        }
-    }
+    // rows past N: read row N-1, never stored
+    Q4Body<NTT> body{acc, W + (size_t)min(row0 + g, N - 1) * rb, W + (size_t)min(row0 + g + 8, N - 1) * rb, g, t4};
+    sb_loop<NTT, SB4_PAD, SB4_DEPTH>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
     if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(acc, wk, parts, Wsp, Cnt, tid)) return;
     sb_store<NTT>(Y, acc, T, N, row0, lane);
 }

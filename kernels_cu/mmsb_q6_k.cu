@@ -1,5 +1,5 @@
 // mmsb_q6_k.cu: small-batch GEMM y[T, N] = x[T, K] . W[N, K]^T, W in q6_K blocks (raw 210-byte
-// or padded 224-byte), x in q8_1 blocks, T <= 8 NTT, f32 output [T, N]; skeleton, grid and
+// or padded 224-byte), x in q8_1 blocks, T <= 8 NTT (NTT = 1, 2), f32 output [T, N]; skeleton, grid and
 // shared-memory layout in mmsb_common.cuh (weights = MMA A operand, tokens = B operand).
 //
 // Inputs: W uint8 [N, K/256 * BS] (ql[128] @0, qh[64] @128, sc[16] int8 @192, d f16 @208;
@@ -17,7 +17,7 @@
 // Scale term, as mmq_q6_k.cu: D = M + dot (C = MMQ_MAGIC_I), u = fma(D_lo, dsc_lo, -M dsc_lo),
 // v = fma(D_hi, dsc_hi, -M dsc_hi) for the two sub-blocks (l0 = 0, 16) of a q8_1 block, then
 // acc = fma(u + v, d8, acc).
-// Shared-memory row stride of the activations: 2 x 256 + 16 bytes (== 16 mod 128: the 4-byte
+// Shared-memory row stride of the activations: ch x 256 + 16 bytes (== 16 mod 128: the 4-byte
 // loads of a warp, 8 tokens x 16 bytes, hit 32 distinct banks).
 #include "common.cuh"
 #include "mmsb_common.cuh"
@@ -60,9 +60,9 @@ __device__ __forceinline__ void q6sb_load(Q6Sb& s, const u8* rg, const u8* rh, i
 }
 
 template <int NTT>
-__device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb& s, const u8* sqb,
+__device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb& s, const u8* sqb, int rs,
                                              const float* sdsb, int g, int t4) {
-    using L = SbLayout<NTT, SB6_PAD>;
+    constexpr int TP = 8 * NTT;
     const float dg = f16_to_f32((u16)s.d[0]), dh = f16_to_f32((u16)s.d[1]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -85,13 +85,13 @@ __device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb
                 }
 #pragma unroll
             for (int nt = 0; nt < NTT; ++nt) {
-                const u8* brow = sqb + (8 * nt + g) * L::RS + 32 * blk + 4 * t4;
+                const u8* brow = sqb + (8 * nt + g) * rs + 32 * blk + 4 * t4;
                 const u32 b0 = *reinterpret_cast<const u32*>(brow);
                 const u32 b1 = *reinterpret_cast<const u32*>(brow + 16);
                 int dl[4], dhi[4];
                 mma_s8_k16(dl, a[0][0], a[0][1], b0, MMQ_MAGIC_I);
                 mma_s8_k16(dhi, a[1][0], a[1][1], b1, MMQ_MAGIC_I);
-                const float4 d8 = *reinterpret_cast<const float4*>(sdsb + 2 * (blk * L::TP + 8 * nt + 2 * t4));
+                const float4 d8 = *reinterpret_cast<const float4*>(sdsb + 2 * (blk * TP + 8 * nt + 2 * t4));
                 float* o = acc[0][nt];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -105,50 +105,45 @@ __device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb
     }
 }
 
+// Register sets in flight per warp (34 registers each).
+#define SB6_DEPTH 3
+
+template <int NTT, bool PADDED>
+struct Q6Body {
+    using Sb = Q6Sb;
+    float (&acc)[1][NTT][4];
+    const u8* rg;
+    const u8* rh;
+    int g, t4;
+    __device__ __forceinline__ void load(Sb& s, int sb) const { q6sb_load<PADDED>(s, rg, rh, sb, t4); }
+    __device__ __forceinline__ void compute(const Sb& s, const u8* sqb, int rs, const float* sdsb) {
+        q6sb_compute<NTT>(acc, s, sqb, rs, sdsb, g, t4);
+    }
+};
+
 template <int NTT, bool PADDED>
 __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
-          float* __restrict__ Y, int T, int N, int K, int parts, float* __restrict__ Wsp,
+          float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
-    using L = SbLayout<NTT, SB6_PAD>;
     constexpr int BS = PADDED ? 224 : 210;
+    const SbLayout<NTT, SB6_PAD> L(ch);
     extern __shared__ __align__(16) u8 smem[];
-    if (dyn_smem_bytes() < (u32)L::SMEM) __trap();
+    if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const MmqWork wk = sb_work(K >> 8, parts);
     const int row0 = wk.n_base + 16 * warp;
     const size_t rb = (size_t)(K >> 8) * BS;
-    const u8* rg = W + (size_t)min(row0 + g, N - 1) * rb;        // rows past N: read row N-1, never stored
-    const u8* rh = W + (size_t)min(row0 + g + 8, N - 1) * rb;
-    const u32 sq = smem_u32(smem), sds = sq + L::Q_BYTES;
-    const u8* sqp = smem;
-    const float* sdsp = reinterpret_cast<const float*>(smem + L::Q_BYTES);
-
     float acc[1][NTT][4];
 #pragma unroll
     for (int nt = 0; nt < NTT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
-
-    Q6Sb cur, nxt;
-    if (wk.s0 < wk.s1) q6sb_load<PADDED>(cur, rg, rh, wk.s0, t4);
-    if (wk.s0 + 1 < wk.s1) q6sb_load<PADDED>(nxt, rg, rh, wk.s0 + 1, t4);
-    for (int c0 = wk.s0; c0 < wk.s1; c0 += SB_CH) {
-        const int n = min(SB_CH, wk.s1 - c0);
-        if (c0 > wk.s0) __syncthreads();
-        sb_stage<NTT, SB6_PAD>(sq, sds, Aq, Ads, T, K, c0, n, tid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-#pragma unroll 1
-        for (int i = 0; i < n; ++i) {
-            const Q6Sb use = cur;
-            cur = nxt;
-            if (c0 + i + 2 < wk.s1) q6sb_load<PADDED>(nxt, rg, rh, c0 + i + 2, t4);
-            q6sb_compute<NTT>(acc, use, sqp + 256 * i, sdsp + 2 * 8 * i * L::TP, g, t4);
-        }
-    }
+    // rows past N: read row N-1, never stored
+    Q6Body<NTT, PADDED> body{acc, W + (size_t)min(row0 + g, N - 1) * rb, W + (size_t)min(row0 + g + 8, N - 1) * rb,
+                             g, t4};
+    sb_loop<NTT, SB6_PAD, SB6_DEPTH>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
     if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(acc, wk, parts, Wsp, Cnt, tid)) return;
     sb_store<NTT>(Y, acc, T, N, row0, lane);
 }

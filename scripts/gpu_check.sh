@@ -76,27 +76,33 @@ step_small() {
   return $rc
 }
 
-# Nsight Compute stall profile of the MMQ kernels (NCU_ARGS: T N K VARIANT for ncu_mmq.py).
+# Nsight Compute stall profile of the GEMM kernels (NCU_ARGS: ';'-separated "T N K [VARIANT]" for
+# ncu_mmq.py; each profiles the second launch of the q4_K and the q6_K kernel).
 step_ncu() {
-  local ncu; ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+  local ncu rc=0 args i=0; ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
-  "$ncu" --clock-control none --kernel-name regex:mmq_q --launch-skip 2 --launch-count 2 \
-      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
-      --section SourceCounters --section InstructionStats \
-      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-      python3 -m dev.ncu_mmq ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
-  local rc=$?
-  grep -E "mmq_q|stalled|Duration|Throughput|Warp Cycles Per Issued|Issued Ipc|No Eligible|Achieved Occupancy|Registers Per|Eligible Warps|Active Warps|Pipe|Bank" "$OUT/ncu.txt" | cut -c1-150 | head -120
+  IFS=';' read -ra runs <<< "${NCU_ARGS:-3314 11008 4096}"
+  for args in "${runs[@]}"; do
+    i=$((i + 1))
+    "$ncu" --clock-control none --kernel-name regex:"mm(q|sb|vq)_q" --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
+        --section LaunchStats --section InstructionStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 -m dev.ncu_mmq $args > "$OUT/ncu_$i.txt" 2>&1 || rc=1
+    echo "--- ncu $args"
+    grep -E "mm(q|sb|vq)_q|stalled_(long|short|barrier|wait|math|mio|lg|not_sel|selected|dispatch|drain|imc|no_inst|branch|membar|sleep|tex)|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Eligible Warps|Waves Per SM|Block Limit" "$OUT/ncu_$i.txt" | cut -c1-130 | head -80
+  done
   return $rc
 }
 
 # The whole-model speed rows (bench verb) on a synthetic llama2-7b q4_K_M made on the device:
-# pp512, pp3314 (prefill) and tg128 (CUDA-graph decode), medians of PERF_REPS.
+# pp1..pp128 (short prompts: the prefill graph), pp512, pp3314 (prefill) and tg128 (CUDA-graph
+# decode), medians of PERF_REPS.
 step_perf() {
   local m=/tmp/l7b.gguf
   [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
-  timeout 420 python3 -m engine bench --model "$m" --device gpu -p 512,3314 -n 128 -r "${PERF_REPS:-5}" \
+  timeout 420 python3 -m engine bench --model "$m" --device gpu -p "${PERF_PP:-1,8,16,32,64,128,512,3314}" -n 128 -r "${PERF_REPS:-5}" \
       --json > "$OUT/perf.json" 2> "$OUT/perf.err"
   local rc=$?
   tr '\r' '\n' < "$OUT/perf.err" | grep -v '^$' | tail -8
@@ -121,5 +127,5 @@ done
 section summary
 python3 scripts/gpu_summary.py "$OUT" || STATUS=1
 [ -f "$OUT/pytest_gpu.log" ] && grep -E "^[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest_gpu.log"
-[ -f "$OUT/perf.err" ] && grep -E "pp512|pp3314|tg128" "$OUT/perf.err" | tail -3
+[ -f "$OUT/perf.err" ] && grep -E "^(pp|tg)[0-9]+:" "$OUT/perf.err" | tail -12
 exit $STATUS

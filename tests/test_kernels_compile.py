@@ -29,7 +29,7 @@ def test_instance_count(capsys):
         print("  " + kernels.count_line())
     counts = kernels.instance_count()
     assert set(counts) == set(kernels.kernel_files()), "every kernel file has its instances in the registry"
-    assert sum(counts.values()) == 75, counts
+    assert sum(counts.values()) == 74, counts
 
 
 def test_kernel_files_found():
@@ -70,17 +70,28 @@ def test_smem_fits_sm90():
 
 def test_choose_variant_rule():
     from engine.gpu.ops import mmq as gpu_ops
-    # one token: the decode GEMV; up to MMSB_MAX_TOKENS: the small-batch GEMMs
+    # one token: the decode GEMV; then the small-batch tiers (mmsb, MMQ tiles with the K split)
+    from engine.gpu import registry
     for kind in ("q4_k", "q6_k"):
         assert gpu_ops.choose_variant(kind, 1, 4096, sm_count=132) == gpu_ops.MMVQ_VARIANT
-        for T in (2, 8, 32, 64, 128):
-            assert kernels.mmq_split_name(gpu_ops.choose_variant(kind, T, 4096, sm_count=132))[0] == gpu_ops.MMSB_VARIANT
-    # then: 64-token grid fits on the SMs -> the 64x128 tile; otherwise the 128x128 one
-    assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
+        assert gpu_ops.choose_variant(kind, 2, 4096, sm_count=132) == gpu_ops.MMSB_VARIANT
+        tiers = registry.SMALL_BATCH_TIERS[kind]
+        assert [t for t, _ in tiers] == sorted(t for t, _ in tiers) and tiers[-1][0] == 128
+        for T in range(1, 129):
+            v = gpu_ops.choose_variant(kind, T, 4096, sm_count=132)
+            name, _ = kernels.mmq_split_name(v)
+            if name == gpu_ops.MMSB_VARIANT:
+                assert T <= registry.MMSB_MAX_TOKENS
+            elif name != gpu_ops.MMVQ_VARIANT:
+                assert (name, False) in registry.mmq_launched(kind), v
+                assert T <= kernels.mmq_tile(kind, v)[0] or name == gpu_ops.DEFAULT_VARIANT[kind]
+    # then: 64-token grid fits on the SMs -> the 64x128 tile, split; otherwise the 128x128 one
+    small = {k: gpu_ops.SMALL_VARIANT[k] + kernels.MMQ_SPLIT_SUFFIX for k in ("q4_k", "q6_k")}
+    assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == small["q6_k"]
     big = {k: gpu_ops.DEFAULT_VARIANT[k] + (kernels.MMQ_SPLIT_SUFFIX if gpu_ops.DEFAULT_SPLIT[k] else "")
            for k in ("q4_k", "q6_k")}
     assert gpu_ops.choose_variant("q6_k", 512, 4096, sm_count=132) == big["q6_k"]
-    assert gpu_ops.choose_variant("q4_k", 200, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q4_k"]
+    assert gpu_ops.choose_variant("q4_k", 200, 4096, sm_count=132) == small["q4_k"]
     assert gpu_ops.choose_variant("q4_k", 3314, 11008, sm_count=132) == big["q4_k"]
     for kind in ("q4_k", "q6_k"):
         for v in (gpu_ops.SMALL_VARIANT[kind], gpu_ops.DEFAULT_VARIANT[kind]):
@@ -143,5 +154,6 @@ def test_choose_variant_split_flag(monkeypatch):
     monkeypatch.setitem(gpu_ops.DEFAULT_SPLIT, "q4_k", False)
     assert gpu_ops.choose_variant("q6_k", 3314, 4096, sm_count=132) == \
         gpu_ops.DEFAULT_VARIANT["q6_k"] + kernels.MMQ_SPLIT_SUFFIX
-    assert gpu_ops.choose_variant("q6_k", 200, 4096, sm_count=132) == gpu_ops.SMALL_VARIANT["q6_k"]
+    assert gpu_ops.choose_variant("q6_k", 200, 4096, sm_count=132) == \
+        gpu_ops.SMALL_VARIANT["q6_k"] + kernels.MMQ_SPLIT_SUFFIX
     assert gpu_ops.choose_variant("q4_k", 3314, 4096, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q4_k"]

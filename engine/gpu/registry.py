@@ -45,12 +45,16 @@ SMALL_VARIANT = {"q4_k": "m64n128tc_k256", "q6_k": "m64n128"}
 # 4096x4096 0.793 -> 0.739 ms, q4_K 4096x11008 1.266 -> 1.167; whole-wave grids (T=512) unchanged.
 DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
 # Small batches (issue 12): (largest T, variant) in increasing T, the first tier that holds T wins;
-# past the last tier the rule above. MMVQ_VARIANT: the decode GEMV (mmvq_*.cu, store mode);
-# MMSB_VARIANT (below): the small-batch GEMMs.
+# past the last tier the rule above (SMALL_VARIANT with the split). MMVQ_VARIANT: the decode
+# GEMV (mmvq_*.cu, store mode); MMSB_VARIANT (below): the small-batch GEMMs. Chosen from one
+# gemm_bench --variants small run on the H200 (graph timing, the 7B shapes; perf-log session 5):
+# per kind and T the least total time over the shapes.
 MMVQ_VARIANT = "mmvq"
 SMALL_BATCH_TIERS = {
-    "q4_k": ((1, MMVQ_VARIANT), (128, "mmsb")),
-    "q6_k": ((1, MMVQ_VARIANT), (128, "mmsb")),
+    "q4_k": ((1, MMVQ_VARIANT), (8, "mmsb"), (16, "m16n128tc_k256+split8"), (32, "m32n128tc_k256+split"),
+             (64, "m64n128tc_k256+split"), (128, "m128n128w8tc_k256+split8")),
+    "q6_k": ((1, MMVQ_VARIANT), (16, "mmsb"), (32, "m32n128+split8"), (64, "m64n128+split8"),
+             (128, "m128n128w8_k256+split")),
 }
 # What the last MMQ_CONFIGS field is, per family: "tc" (q4_K's TF32 min term) or "unroll" (q6_K).
 MMQ_LAST_FIELD = {"q4_k": "tc", "q6_k": "unroll"}
@@ -95,7 +99,7 @@ def mmq_instance(kind: str, variant: str, split_part: bool = False) -> str:
 
 def mmq_launched(kind: str) -> list[tuple[str, bool]]:
     """(config, split_part) of every MMQ instance the production choice launches."""
-    out = [(SMALL_VARIANT[kind], False), (DEFAULT_VARIANT[kind], False)]
+    out = [(SMALL_VARIANT[kind], False), (SMALL_VARIANT[kind], True), (DEFAULT_VARIANT[kind], False)]
     if DEFAULT_SPLIT[kind]:
         out.append((DEFAULT_VARIANT[kind], True))
     for _, v in SMALL_BATCH_TIERS[kind]:
@@ -111,7 +115,7 @@ def mmq_launched(kind: str) -> list[tuple[str, bool]]:
 # NTT (T <= 8 NTT tokens) and, for q6_K, row layout. The variant name MMSB_VARIANT (optionally
 # "+splitP": at most P K-parts) is what choose_variant returns for them.
 MMSB_VARIANT = "mmsb"
-MMSB_NTT = (1, 2, 4, 8, 16)
+MMSB_NTT = (1, 2)            # 4, 8, 16 (T <= 128) lost to the MMQ small tiles: dev/RETIRED.md
 MMSB_MAX_TOKENS = 8 * MMSB_NTT[-1]
 
 

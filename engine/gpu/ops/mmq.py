@@ -40,14 +40,14 @@ def _sm_count() -> int:
 def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = None) -> str:
     """The production kernel for a [tokens x rows] output: the decode GEMV (MMVQ_VARIANT) or
     an MMQ tile variant, by registry.SMALL_BATCH_TIERS, then by whether the 64-token grid
-    fits on the SMs."""
+    fits on the SMs (the 64-token tile, K split so the grid fills them) or not (DEFAULT_VARIANT)."""
     for max_t, v in SMALL_BATCH_TIERS[kind]:
         if tokens <= max_t:
             return v
     sms = sm_count if sm_count is not None else _sm_count()
     small_blocks = -(-tokens // 64) * -(-rows // 128)
     if small_blocks <= sms:
-        return SMALL_VARIANT[kind]
+        return SMALL_VARIANT[kind] + kernels.MMQ_SPLIT_SUFFIX
     return DEFAULT_VARIANT[kind] + (kernels.MMQ_SPLIT_SUFFIX if DEFAULT_SPLIT[kind] else "")
 
 
