@@ -140,4 +140,32 @@ __device__ __forceinline__ void sb_store(float* __restrict__ Y, const float (&ac
     }
 }
 
+// The whole kernel body of both families: Body (Q4Body / Q6Body) holds the accumulators, the
+// lane's two weight rows and the load / compute of one super-block of BS-byte blocks.
+template <int NTT, int PAD, int D, int BS, class Body>
+__device__ __forceinline__ void sb_gemm(const u8* __restrict__ W, const i8* __restrict__ Aq,
+                                        const float2* __restrict__ Ads, float* __restrict__ Y, int T,
+                                        int N, int K, int ch, int parts, float* __restrict__ Wsp,
+                                        u32* __restrict__ Cnt) {
+    const SbLayout<NTT, PAD> L(ch);
+    extern __shared__ __align__(16) u8 smem[];
+    if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const MmqWork wk = sb_work(K >> 8, parts);
+    const int row0 = wk.n_base + 16 * warp;
+    const size_t rb = (size_t)(K >> 8) * BS;
+    Body body;
+    body.g = lane >> 2;
+    body.t4 = lane & 3;
+    body.rg = W + (size_t)min(row0 + body.g, N - 1) * rb;        // rows past N: read row N-1, never stored
+    body.rh = W + (size_t)min(row0 + body.g + 8, N - 1) * rb;
+#pragma unroll
+    for (int nt = 0; nt < NTT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) body.acc[0][nt][i] = 0.0f;
+    sb_loop<NTT, PAD, D>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
+    if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(body.acc, wk, parts, Wsp, Cnt, tid)) return;
+    sb_store<NTT>(Y, body.acc, T, N, row0, lane);
+}
+
 #endif  // GGP_EMU

@@ -114,7 +114,7 @@ __device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb
 template <int NTT>
 struct Q4Body {
     using Sb = Q4Sb;
-    float (&acc)[1][NTT][4];
+    float acc[1][NTT][4];
     const u8* rg;
     const u8* rh;
     int g, t4;
@@ -129,22 +129,5 @@ __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
-    const SbLayout<NTT, SB4_PAD> L(ch);
-    extern __shared__ __align__(16) u8 smem[];
-    if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t4 = lane & 3;
-    const MmqWork wk = sb_work(K >> 8, parts);
-    const int row0 = wk.n_base + 16 * warp;
-    const size_t rb = (size_t)(K >> 8) * 144;
-    float acc[1][NTT][4];
-#pragma unroll
-    for (int nt = 0; nt < NTT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
-    // rows past N: read row N-1, never stored
-    Q4Body<NTT> body{acc, W + (size_t)min(row0 + g, N - 1) * rb, W + (size_t)min(row0 + g + 8, N - 1) * rb, g, t4};
-    sb_loop<NTT, SB4_PAD, SB4_DEPTH>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
-    if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(acc, wk, parts, Wsp, Cnt, tid)) return;
-    sb_store<NTT>(Y, acc, T, N, row0, lane);
+    sb_gemm<NTT, SB4_PAD, SB4_DEPTH, 144, Q4Body<NTT>>(W, Aq, Ads, Y, T, N, K, ch, parts, Wsp, Cnt);
 }

@@ -111,7 +111,7 @@ __device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb
 template <int NTT, bool PADDED>
 struct Q6Body {
     using Sb = Q6Sb;
-    float (&acc)[1][NTT][4];
+    float acc[1][NTT][4];
     const u8* rg;
     const u8* rh;
     int g, t4;
@@ -126,24 +126,6 @@ __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
-    constexpr int BS = PADDED ? 224 : 210;
-    const SbLayout<NTT, SB6_PAD> L(ch);
-    extern __shared__ __align__(16) u8 smem[];
-    if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t4 = lane & 3;
-    const MmqWork wk = sb_work(K >> 8, parts);
-    const int row0 = wk.n_base + 16 * warp;
-    const size_t rb = (size_t)(K >> 8) * BS;
-    float acc[1][NTT][4];
-#pragma unroll
-    for (int nt = 0; nt < NTT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
-    // rows past N: read row N-1, never stored
-    Q6Body<NTT, PADDED> body{acc, W + (size_t)min(row0 + g, N - 1) * rb, W + (size_t)min(row0 + g + 8, N - 1) * rb,
-                             g, t4};
-    sb_loop<NTT, SB6_PAD, SB6_DEPTH>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
-    if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(acc, wk, parts, Wsp, Cnt, tid)) return;
-    sb_store<NTT>(Y, acc, T, N, row0, lane);
+    sb_gemm<NTT, SB6_PAD, SB6_DEPTH, PADDED ? 224 : 210, Q6Body<NTT, PADDED>>(W, Aq, Ads, Y, T, N, K, ch, parts,
+                                                                              Wsp, Cnt);
 }
