@@ -41,7 +41,8 @@ class Generation:
     margins: list[float] = field(default_factory=list)
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
-    stop_reason: str = "length"  # "eog" | "length" | "cancelled"
+    stop_reason: str = "length"  # "eog" | "length" | "cancelled" (| "stop" | "error": engine.scheduler)
+    error: str | None = None
 
     @property
     def timings(self) -> dict:
@@ -54,17 +55,22 @@ class Generation:
         }
 
 
-def _choose(session, sampler: Sampler | None, need_logits: bool):
-    """(token, top logit, margin, logits or None) for the session's current logits."""
-    if sampler is None and not need_logits:
-        token, top, margin = session.argmax()
-        return token, top, margin, None
-    logits = session.logits()
+def choose_from_logits(logits: np.ndarray, sampler: Sampler | None, need_logits: bool):
+    """(token, top logit, margin, logits or None) of host logits: greedy (ties -> lowest id) or
+    the sampler's choice (then top/margin are that token's logit and its lead over the best)."""
     best, top, margin = top_two(logits)
     token = best if sampler is None else int(sampler(logits))
     if token != best:
         top, margin = float(logits[token]), float(logits[token]) - float(logits[best])
     return token, top, margin, (logits if need_logits else None)
+
+
+def _choose(session, sampler: Sampler | None, need_logits: bool):
+    """(token, top logit, margin, logits or None) for the session's current logits."""
+    if sampler is None and not need_logits:
+        token, top, margin = session.argmax()
+        return token, top, margin, None
+    return choose_from_logits(session.logits(), sampler, need_logits)
 
 
 def generate_steps(model, prompt_ids: Sequence[int], max_tokens: int, eog_ids=(),

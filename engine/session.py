@@ -25,6 +25,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from engine.reference.ops import top_two  # noqa: F401 - re-exported (engine.generate)
+
 
 class Session(Protocol):
     capacity: int
@@ -43,17 +45,6 @@ class Session(Protocol):
     def reset(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-def top_two(logits: np.ndarray) -> tuple[int, float, float]:
-    """(argmax id, its logit, its lead over the runner-up); ties -> the lowest id."""
-    best = int(np.argmax(logits))
-    top = float(logits[best])
-    if logits.shape[0] < 2:
-        return best, top, float("inf")
-    rest = logits.copy()
-    rest[best] = -np.inf
-    return best, top, top - float(rest.max())
 
 
 class ForwardSession:

@@ -1,7 +1,8 @@
-"""FastAPI routes. All engine work goes through the Runner (one worker thread, bounded queue).
+"""FastAPI routes. All engine work goes through the Runner (one worker thread running the
+continuous-batching scheduler, bounded queue).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/prefill, GET /v1/models,
-GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+GET /health, GET /metrics, GET /slots, POST /tokenize, POST /detokenize.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from server.settings import Settings
 log = logging.getLogger("server")
 
 KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/prefill", "/v1/models",
-                "/health", "/metrics", "/tokenize", "/detokenize")
+                "/health", "/metrics", "/slots", "/tokenize", "/detokenize")
 
 
 def endpoint_label(path: str) -> str:
@@ -117,6 +118,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         if model_id not in eng.names():
             raise model_not_found(model_id, eng)
         return model_card(eng)
+
+    @app.get("/slots")
+    async def slots():
+        """What each KV slot runs and holds (llama-server's /slots, in this engine's terms)."""
+        ready_engine()
+        return runner.slots()
 
     @app.get("/metrics")
     async def metrics_route():
@@ -235,7 +242,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
             choice["tokens"] = done["tokens"]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": eng.model_id, "system_fingerprint": fingerprint(eng),
-                "choices": [choice], "usage": usage_dict(n_prompt, len(done["tokens"])),
+                "choices": [choice], "usage": usage_dict(n_prompt, len(done["tokens"]), done.get("cached_tokens", 0)),
                 "timings": done["timings"]}
 
     async def stream_events(job: Job, rid: str, created: int, eng: Engine, chat: bool,
@@ -290,7 +297,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                     yield b"data: " + json.dumps(payload.body()).encode() + b"\n\n"
                     return
                 else:
-                    usage = usage_dict(len(job.prompt_ids), len(payload["tokens"]))
+                    usage = usage_dict(len(job.prompt_ids), len(payload["tokens"]),
+                                       payload.get("cached_tokens", 0))
                     extra: dict[str, Any] = {"timings": payload["timings"]}
                     if not plan.include_usage:
                         extra["usage"] = usage  # llama-server style, on the finish chunk

@@ -10,6 +10,7 @@ PREFIX = "gguf_prefill_"
 
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _TPS_BUCKETS = (10, 30, 100, 300, 1000, 3000, 10000, 30000, 100000, 300000, 1000000)
 
 
@@ -46,8 +47,22 @@ class Metrics:
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine",
                                  registry=r)
         self.requests_processing = Gauge(p + "requests_processing",
-                                         "Requests the engine is running now (0 or 1)",
+                                         "Requests the engine is running now (in KV slots)",
                                          registry=r)
+        self.sequences_waiting = Gauge(p + "sequences_waiting",
+                                       "Generations waiting for a KV slot", registry=r)
+        self.kv_cache_usage = Gauge(p + "kv_cache_usage_ratio",
+                                    "Share of the KV cache's positions held by running sequences",
+                                    registry=r)
+        self.batch_tokens = Histogram(p + "batch_tokens", "Tokens per engine step",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.batch_sequences = Histogram(p + "batch_sequences", "Sequences per engine step",
+                                         buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits",
+                                         "Requests that reused cached prompt tokens", registry=r)
+        self.prefix_cache_tokens = Counter(p + "prefix_cache_tokens",
+                                           "Prompt tokens reused from the prefix cache", registry=r)
+        self._prefix_seen = (0, 0)
         self.cancelled = Counter(p + "requests_cancelled", "Jobs cancelled (client gone, shutdown)",
                                  registry=r)
         self.model_loaded = Gauge(p + "model_loaded", "1 once the model is ready", registry=r)
@@ -60,6 +75,15 @@ class Metrics:
             tps = n_tokens / seconds
             self.prompt_tokens_per_second.set(tps)
             self.prompt_throughput.observe(tps)
+
+    def set_prefix(self, hits: int, tokens: int) -> None:
+        """Advance the prefix-cache counters to the scheduler's running totals."""
+        h0, t0 = self._prefix_seen
+        if hits > h0:
+            self.prefix_cache_hits.inc(hits - h0)
+        if tokens > t0:
+            self.prefix_cache_tokens.inc(tokens - t0)
+        self._prefix_seen = (max(h0, hits), max(t0, tokens))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

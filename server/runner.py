@@ -1,13 +1,14 @@
-"""The engine worker: ONE thread loads the model and then runs every job, one at a time, from a
-bounded FIFO queue. The HTTP side (asyncio) submits jobs and reads their events.
+"""The engine worker: ONE thread loads the model and then runs the continuous-batching
+scheduler (engine.scheduler): every step is one forward over the next token of each running
+generation and chunks of prompts being prefilled. The HTTP side (asyncio) submits jobs to a
+bounded FIFO queue and reads their events.
 
-- A full queue raises APIError(429) at submit time, before any response has started.
+- Jobs wait in the queue until a KV slot is free (--parallel slots); a full queue raises
+  APIError(429) at submit time, before any response has started.
 - Cancellation: `job.cancel()` (client disconnected, server shutting down) is checked between
-  tokens; the engine's step iterator is simply closed.
-- Text leaves the worker only as complete UTF-8 characters (bytes from token_to_bytes go
-  through an incremental decoder), and text that might be the start of a `stop` string is held
-  back until it is known not to be.
-- Greedy (no sampler) is exactly engine.generate's loop; the worker only consumes its steps.
+  steps; the sequence leaves the batch and its slot is free for the next job.
+- Per-job text, stop strings and logprobs: server/generation.py.
+- Prefill probes (/v1/prefill) and prompt scoring (echo + logprobs) run whole, between steps.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from server.errors import APIError
 from server.metrics import Metrics
+from server.generation import TextAssembler  # noqa: F401 - re-exported (tests, embedders)
 from server.settings import Settings
 
 log = logging.getLogger("server")
@@ -41,6 +43,7 @@ class Engine:
     n_ctx: int
     model_id: str
     n_ctx_train: int = 0
+    batch: Any = None          # the batched-step backend (model.batch); attach_batch makes it
 
     def names(self) -> tuple[str, ...]:
         """What a request's `model` may say: the served id (the file name) or its stem."""
@@ -103,6 +106,37 @@ def open_model_file(path: str) -> None:
     open_gguf(path)
 
 
+def attach_batch(engine: Engine, settings: Settings) -> None:
+    """The shared KV cache: --parallel slots of --kv-cache-tokens / parallel positions each
+    (default: n_ctx each; on the GPU, shrunk to what free memory holds unless the flag is
+    given). A request's context (n_ctx) is then at most one slot."""
+    from engine.errors import UsageError
+
+    n = settings.parallel
+    total = settings.kv_cache_tokens or n * engine.n_ctx
+    cap = min(engine.n_ctx, total // n)
+    if cap < 1:
+        raise UsageError(f"serve: --kv-cache-tokens {total} is fewer than one token per slot "
+                         f"(--parallel {n})")
+    engine.batch = engine.model.batch(n, cap, fit_memory=not settings.kv_cache_tokens)
+    if engine.batch.slot_capacity < engine.n_ctx:
+        log.info("n_ctx %d -> %d: %d slots of %d tokens", engine.n_ctx, engine.batch.slot_capacity,
+                 n, engine.batch.slot_capacity)
+    engine.n_ctx = min(engine.n_ctx, engine.batch.slot_capacity)
+
+
+def warm_up_batch(batch, n_prompt: int = 64) -> None:
+    """Load the batched step's kernels (and capture its small graphs): a few steps of a
+    prompt and its decode through a scheduler."""
+    from engine.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(batch)
+    n = max(1, min(n_prompt, batch.slot_capacity - 3))
+    sched.add(Sequence([0] * n, 3, on_token=lambda st: True, on_finish=lambda r: None))
+    while sched.busy:
+        sched.step()
+
+
 def load_engine(settings: Settings) -> Engine:
     from engine.loader import load_model
     from engine.text.tokenizer import load_tokenizer
@@ -121,58 +155,14 @@ def load_engine(settings: Settings) -> Engine:
         warm_up(model, min(64, n_ctx))
     if n_ctx_train and n_ctx > n_ctx_train:
         log.warning("ctx-size %d is over the model's training context %d", n_ctx, n_ctx_train)
-    log.info("loaded %s (%s backend) in %.2f s, n_ctx %d", path, type(model).__name__,
-             time.perf_counter() - t0, n_ctx)
-    return Engine(model=model, tokenizer=tokenizer, n_ctx=n_ctx,
-                  model_id=os.path.basename(path), n_ctx_train=n_ctx_train)
-
-
-# ---- text assembly (UTF-8 + stop strings) ----------------------------------------------------
-
-class TextAssembler:
-    def __init__(self, token_bytes: Callable[[int], bytes], stops: Sequence[str] = ()):
-        self._token_bytes = token_bytes
-        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
-        self.stops = [s for s in stops if s]
-        self._maxstop = max((len(s) for s in self.stops), default=0)
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        return self._advance(self._dec.decode(self._token_bytes(token)), final=False)
-
-    def finish(self) -> str:
-        return self._advance(self._dec.decode(b"", final=True), final=True)
-
-    def _advance(self, piece: str, final: bool) -> str:
-        if self.stopped:
-            return ""
-        start = max(0, len(self.text) - self._maxstop + 1)
-        self.text += piece
-        release = len(self.text)
-        if self.stops:
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                cut = min(hits)
-                self.text = self.text[:cut]
-                self.stopped = True
-                release = cut
-            elif not final:
-                release -= self._held_suffix()
-        release = max(release, self.sent)
-        out = self.text[self.sent:release]
-        self.sent = release
-        return out
-
-    def _held_suffix(self) -> int:
-        """Length of the longest tail of text that is a proper prefix of some stop string."""
-        t = self.text
-        for n in range(min(self._maxstop - 1, len(t)), 0, -1):
-            tail = t[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
+    engine = Engine(model=model, tokenizer=tokenizer, n_ctx=n_ctx,
+                    model_id=os.path.basename(path), n_ctx_train=n_ctx_train)
+    attach_batch(engine, settings)
+    if getattr(model, "device", "cpu") != "cpu":
+        warm_up_batch(engine.batch, min(64, engine.n_ctx))
+    log.info("loaded %s (%s backend) in %.2f s, n_ctx %d, %d slots", path, type(model).__name__,
+             time.perf_counter() - t0, engine.n_ctx, settings.parallel)
+    return engine
 
 
 # ---- jobs ------------------------------------------------------------------------------------
@@ -227,7 +217,7 @@ class Runner:
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
         self._stop = threading.Event()
-        self._current: Job | None = None
+        self.scheduler = None      # engine.scheduler.Scheduler, made by the worker thread
         self._thread = threading.Thread(target=self._main, name="engine-worker", daemon=True)
         if engine is not None:
             metrics.model_loaded.set(1)
@@ -256,9 +246,6 @@ class Runner:
             except queue.Empty:
                 break
             self._finish_cancelled(job)
-        cur = self._current
-        if cur is not None:
-            cur.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -296,29 +283,86 @@ class Runner:
             if self.state == "loading":
                 self.state = "ready"
             self.metrics.model_loaded.set(1)
+        from engine.scheduler import Scheduler
+
+        if self.engine.batch is None:
+            attach_batch(self.engine, self.settings)
+        sched = self.scheduler = Scheduler(self.engine.batch, self.settings.max_batch_tokens)
         while not self._stop.is_set():
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
+            self._intake(sched)
+            if not sched.busy:
                 continue
-            self.metrics.queue_depth.set(self._queue.qsize())
-            if job.cancelled.is_set() or self._stop.is_set():
+            try:
+                stats = sched.step()
+            except BaseException:  # noqa: BLE001 - the step's sequences got an error event
+                log.exception("engine step failed")
+                continue
+            self._observe(sched, stats)
+        sched.cancel_all()
+        sched.step()               # every sequence left ends "cancelled"
+        self._observe(sched, None)
+
+    def _intake(self, sched) -> None:
+        """Move queued jobs into the scheduler while it has free slots (the rest wait in the
+        bounded queue, where 429 applies); block briefly only when the engine is idle.
+        Prefill probes and prompt scoring (echo + logprobs) run here, between steps."""
+        from server.generation import GenerationJob
+
+        block = not sched.busy
+        while sched.free_slots > 0 and not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=0.1) if block else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            self.metrics.queue_depth.set(self._queue.qsize() + len(sched.waiting))
+            if job.cancelled.is_set():
                 self._finish_cancelled(job)
                 continue
-            self._current = job
-            self.metrics.requests_processing.set(1)
             try:
                 if job.kind == "prefill":
                     self._run_prefill(job)
-                else:
-                    self._run_generate(job)
+                    job.finished = True
+                    continue
+                score_s = self._score_prompt(job) if job.prompt_logprobs is not None else 0.0
+                if job.max_tokens == 0:          # prompt scoring only (echo)
+                    self._emit_scored(job, score_s)
+                    continue
+                sched.add(GenerationJob(job, self.engine, self.metrics, self._stop.is_set).seq)
             except BaseException as e:  # noqa: BLE001 - one failed job must not kill the worker
                 log.exception("job failed")
-                job.emit("error", APIError(500, f"engine error: {type(e).__name__}: {e}"))
-            finally:
                 job.finished = True
-                self._current = None
-                self.metrics.requests_processing.set(0)
+                job.emit("error", APIError(500, f"engine error: {type(e).__name__}: {e}"))
+
+    def _observe(self, sched, stats) -> None:
+        m = self.metrics
+        m.requests_processing.set(len(sched.running))
+        m.sequences_waiting.set(self._queue.qsize() + len(sched.waiting))
+        m.queue_depth.set(self._queue.qsize() + len(sched.waiting))
+        held = sum(s.n_fed for s in sched.running)
+        b = sched.backend
+        m.kv_cache_usage.set(held / max(1, b.n_slots * b.slot_capacity))
+        m.set_prefix(sched.prefix_hits, sched.prefix_tokens)
+        if stats is not None and stats.tokens:
+            m.batch_tokens.observe(stats.tokens)
+            m.batch_sequences.observe(stats.sequences)
+
+    def slots(self) -> dict:
+        """The /slots view: every KV slot, what it runs and what it holds."""
+        sched = self.scheduler
+        if sched is None:
+            return {"n_slots": 0, "slot_capacity": 0, "slots": []}
+        for _ in range(3):                 # the worker may change the lists under us: retry
+            try:
+                view = sched.slot_view()
+                break
+            except (RuntimeError, KeyError, IndexError):
+                continue
+        else:
+            view = []
+        return {"n_slots": sched.backend.n_slots, "slot_capacity": sched.backend.slot_capacity,
+                "max_batch_tokens": sched.max_batch_tokens, "waiting": len(sched.waiting),
+                "prefix_cache_hits": sched.prefix_hits, "slots": view}
 
     def _finish_cancelled(self, job: Job) -> None:
         self.metrics.cancelled.inc()
@@ -354,78 +398,17 @@ class Runner:
         job.emit("prompt", out)
         return dt
 
-    def _run_generate(self, job: Job) -> None:
-        from engine.generate import Generation, generate_steps
-        from server.sampling import TokenChooser
+    def _emit_scored(self, job: Job, score_s: float) -> None:
+        """The "done" of an echo request with nothing to generate (max_tokens 0)."""
+        from engine.generate import Generation
 
-        eng = self.engine
-        score_s = self._score_prompt(job) if job.prompt_logprobs is not None else 0.0
-        eog = set() if job.ignore_eos else eng.eog_ids()
         res = Generation(list(job.prompt_ids))
-        text = TextAssembler(eng.token_bytes, job.stops)
-        chooser = job.sampler if isinstance(job.sampler, TokenChooser) else None
-        records = chooser.records if chooser is not None and chooser.top_logprobs is not None else None
-        tokens: list[int] = []
-        pending = 0  # tokens whose logprobs have not gone out with a text event yet
-        finish: str | None = None
-        prefill_seen = False
-
-        def emit_text(delta: str) -> None:
-            nonlocal pending
-            lps = None
-            if records is not None:
-                lps = records[len(tokens) - pending:len(tokens)]
-            pending = 0
-            job.emit("text", (delta, lps))
-
-        if job.max_tokens == 0:  # prompt scoring only (echo)
-            res.stop_reason = "length"
-            res.prompt_ms = score_s * 1e3
-            prefill_seen = True  # counted by _score_prompt
-            steps = iter(())
-        else:
-            steps = generate_steps(eng.model, job.prompt_ids, job.max_tokens, eog, job.sampler, res)
-        try:
-            for step in steps:
-                if not prefill_seen:
-                    prefill_seen = True
-                    self.metrics.observe_prefill(len(job.prompt_ids), res.prompt_ms / 1e3)
-                    self.metrics.time_to_first_token.observe(time.perf_counter() - job.submitted)
-                self.metrics.generated_tokens.inc()
-                tokens.append(int(step.token))
-                pending += 1
-                delta = text.push(int(step.token))
-                if delta:
-                    emit_text(delta)
-                if text.stopped:
-                    finish = "stop"
-                    break
-                if chooser is not None and chooser.stopped:
-                    finish = "stop"  # the structured output is complete
-                    break
-                if job.cancelled.is_set() or self._stop.is_set():
-                    finish = "cancelled"
-                    break
-        finally:
-            close = getattr(steps, "close", None)
-            if close is not None:
-                close()
-        if not prefill_seen and res.prompt_ms > 0:
-            self.metrics.observe_prefill(len(job.prompt_ids), res.prompt_ms / 1e3)
-        if finish == "cancelled":
-            self.metrics.cancelled.inc()
-        if finish is None:
-            finish = "stop" if res.stop_reason == "eog" else "length"
-        if chooser is not None and chooser.error:
-            log.warning("structured output ended early: %s", chooser.error)
-        tail = text.finish()
-        if tail or pending:
-            emit_text(tail)
-        timings = res.timings
-        timings["predicted_n"] = len(tokens)
-        job.emit("done", {"finish_reason": finish, "tokens": tokens, "timings": timings,
-                          "prompt_n": len(job.prompt_ids),
-                          "logprobs": records[:len(tokens)] if records is not None else None})
+        res.prompt_ms = score_s * 1e3
+        wants_lps = getattr(job.sampler, "top_logprobs", None) is not None
+        job.finished = True
+        job.emit("done", {"finish_reason": "length", "tokens": [], "timings": res.timings,
+                          "prompt_n": len(job.prompt_ids), "cached_tokens": 0,
+                          "logprobs": [] if wants_lps else None})
 
 
 def synthetic_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:

@@ -299,10 +299,15 @@ class Timings(BaseModel):
     predicted_per_second: float
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 def timings_dict(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> dict[str, Any]:
@@ -315,6 +320,8 @@ def timings_dict(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms
                    predicted_per_second=rate(predicted_n, predicted_ms)).model_dump()
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache reused."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens).model_dump()
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)).model_dump()

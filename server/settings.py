@@ -25,6 +25,8 @@ DEFAULT_MAX_CONNECTIONS = 512  # open client connections; more get a JSON 503 an
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays open
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds from connection (or the previous response) to headers
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive the whole request body
+DEFAULT_PARALLEL = 8  # sequences in flight (KV slots)
+DEFAULT_MAX_BATCH_TOKENS = 512  # tokens per engine step (decodes + prompt chunks)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Settings:
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    parallel: int = DEFAULT_PARALLEL
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    kv_cache_tokens: int = 0  # 0: parallel x ctx_size (GPU: what free memory holds)
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS | _FLOAT_FIELDS:
@@ -70,6 +75,15 @@ class Settings:
             raise ValueError(f"max_input_chars: {self.max_input_chars} must be >= 1")
         if self.max_connections < 1:
             raise ValueError(f"max_connections: {self.max_connections} must be >= 1")
+        if not 1 <= self.parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel: {self.parallel} must be in 1..{MAX_PARALLEL}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens: {self.max_batch_tokens} must be >= 1")
+        if self.kv_cache_tokens < 0:
+            raise ValueError(f"kv_cache_tokens: {self.kv_cache_tokens} must be >= 0 (0 = auto)")
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.parallel:
+            raise ValueError(f"kv_cache_tokens: {self.kv_cache_tokens} is fewer than one token for "
+                             f"each of the {self.parallel} slots (parallel)")
         for name in ("keep_alive_timeout", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be > 0 seconds")
@@ -108,7 +122,8 @@ class Settings:
 
 _FIELD_NAMES = {f.name for f in fields(Settings)}
 _INT_FIELDS = {"port", "ctx_size", "max_queue", "max_body_bytes", "max_input_chars",
-               "max_connections"}
+               "max_connections", "parallel", "max_batch_tokens", "kv_cache_tokens"}
+MAX_PARALLEL = 256
 _FLOAT_FIELDS = {"shutdown_timeout", "keep_alive_timeout", "header_timeout", "body_timeout"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -179,4 +194,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help=f"the whole request body must arrive within this many seconds after "
                              f"the headers; else 408 and close (env {env}BODY_TIMEOUT; "
                              f"default {DEFAULT_BODY_TIMEOUT:g})")
+    parser.add_argument("-np", "--parallel", dest="parallel", type=int, default=None, metavar="N",
+                        help=f"sequences decoded together, each in its own KV slot; more requests "
+                             f"wait in the queue (env {env}PARALLEL; default {DEFAULT_PARALLEL})")
+    parser.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, default=None,
+                        metavar="N", help=f"tokens per engine step: one per decoding sequence, the "
+                                          f"rest prompt chunks (env {env}MAX_BATCH_TOKENS; "
+                                          f"default {DEFAULT_MAX_BATCH_TOKENS})")
+    parser.add_argument("--kv-cache-tokens", dest="kv_cache_tokens", type=int, default=None,
+                        metavar="N", help=f"positions of the shared KV cache, split evenly over the "
+                                          f"slots; a request's context is at most one slot "
+                                          f"(env {env}KV_CACHE_TOKENS; default 0 = parallel x "
+                                          f"ctx-size, on the GPU shrunk to fit free memory)")
     return parser

@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 RANK = {"errors": 0, "formats": 1, "text": 2, "reference": 2, "gpu": 2, "loader": 3, "session": 3,
+        "scheduler": 3,
         "generate": 3, "tools": 4, "cli": 5, "__main__": 5, "__init__": 0}
 
 

@@ -137,7 +137,8 @@ def test_completion_is_engine_greedy(client, tiny_engine, prompt):
     assert choice["text"] == token_text(tok, want.tokens)
     assert choice["finish_reason"] == ("stop" if want.stop_reason == "eog" else "length")
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want.tokens),
-                             "total_tokens": len(ids) + len(want.tokens)}
+                             "total_tokens": len(ids) + len(want.tokens),
+                             "prompt_tokens_details": {"cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"]}}
     assert_timings(body["timings"], len(ids), len(want.tokens))
     # the same prompt given as token ids
     r2 = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 24, "return_tokens": True})
@@ -236,6 +237,9 @@ def test_chat_stream(client, tiny_engine):
     assert text == plain["choices"][0]["message"]["content"]
     final = chunks[-1]
     assert final["choices"][0]["finish_reason"] == "length"
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] > 0    # same prompt again
+    final["usage"].pop("prompt_tokens_details")
+    plain["usage"].pop("prompt_tokens_details")
     assert final["usage"] == plain["usage"]
     assert_timings(final["timings"], plain["usage"]["prompt_tokens"], 30)
 
@@ -261,7 +265,11 @@ def test_completion_stream(client, tiny_engine):
         assert "usage" not in c
     final = chunks[-1]
     assert final["choices"][0]["finish_reason"] == "length"
-    assert final["usage"] == plain["usage"] == {"prompt_tokens": len(tok.encode(req["prompt"])),
+    n_prompt = len(tok.encode(req["prompt"]))
+    cached = final["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 < cached < n_prompt     # the same prompt again: its prefix is reused, the last token runs
+    plain["usage"].pop("prompt_tokens_details")
+    assert final["usage"] == plain["usage"] == {"prompt_tokens": n_prompt,
                                                 "completion_tokens": 48, "total_tokens": plain["usage"]["total_tokens"]}
     assert final["tokens"] == plain["choices"][0]["tokens"]
     assert_timings(final["timings"], plain["usage"]["prompt_tokens"], 48)
@@ -545,7 +553,8 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model_path, tmp_path_factory):
-    env = {"GGUF_PREFILL_API_KEY": KEY, "GGUF_PREFILL_MAX_QUEUE": "1", "GGUF_PREFILL_CTX_SIZE": "1024"}
+    env = {"GGUF_PREFILL_API_KEY": KEY, "GGUF_PREFILL_MAX_QUEUE": "1", "GGUF_PREFILL_CTX_SIZE": "1024",
+           "GGUF_PREFILL_PARALLEL": "1"}   # one slot: a second request waits in the queue
     with ServerProcess(tiny_model_path, [], env=env, via_cli=False,
                        log_dir=tmp_path_factory.mktemp("logs")) as s:
         s.wait_ready()
@@ -602,7 +611,7 @@ def test_queue_full_429(keyed_server):
 # ---- SIGTERM ----------------------------------------------------------------------------------
 
 def test_sigterm_drains_in_flight_then_exits_0(tiny_model_path, tmp_path):
-    with ServerProcess(tiny_model_path, ["--shutdown-timeout", "30", "--ctx-size", "1024"],
+    with ServerProcess(tiny_model_path, ["--shutdown-timeout", "30", "--ctx-size", "1024", "--parallel", "1"],
                        log_dir=tmp_path, via_cli=False) as s:
         s.wait_ready()
         results = {}

@@ -32,7 +32,7 @@ MAX_CHARS = 300_000
 def server(tiny_model_path, tmp_path_factory):
     args = ["--header-timeout", str(T), "--body-timeout", str(T), "--keep-alive-timeout", str(T),
             "--max-connections", str(MAX_CONN), "--max-input-chars", str(MAX_CHARS),
-            "--max-queue", "1"]
+            "--max-queue", "1", "--parallel", "1"]    # one slot: the second request queues
     with ServerProcess(tiny_model_path, args, via_cli=False,
                        log_dir=tmp_path_factory.mktemp("logs")) as s:
         s.startup_statuses = s.wait_ready()
@@ -465,7 +465,7 @@ def test_failed_stream_is_counted_as_its_error(faulty_server):
 # ---- past the shutdown grace period ----------------------------------------------------------
 
 def test_past_the_grace_period_clean_errors_then_exit_0(tiny_model_path, tmp_path):
-    with ServerProcess(tiny_model_path, ["--shutdown-timeout", "1", "--ctx-size", "2048"], log_dir=tmp_path,
+    with ServerProcess(tiny_model_path, ["--shutdown-timeout", "1", "--ctx-size", "2048", "--parallel", "1"], log_dir=tmp_path,
                        via_cli=False) as s:
         s.wait_ready()
         results = {}

@@ -162,6 +162,13 @@ class ReferenceModel:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.config, max_tokens)
 
+    def batch(self, n_slots: int, slot_capacity: int, fit_memory: bool = False):
+        """The batched-step backend over this model (engine.reference.batch.ReferenceBatch;
+        its slots grow on demand, so fit_memory has nothing to shrink)."""
+        from engine.reference.batch import ReferenceBatch
+
+        return ReferenceBatch(self, n_slots, slot_capacity)
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Rows of the token embedding, dequantized at lookup (the tied output's f32 rows when held)."""
         if self.config.tied_output and self.output.w is not None:
@@ -173,12 +180,25 @@ class ReferenceModel:
 
     def hidden(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Final-normed hidden states [n, d] of ids appended at cache.length."""
+        return self.hidden_batch([(ids, cache)])
+
+    def hidden_batch(self, parts: Sequence[tuple[Sequence[int], KVCache]]) -> np.ndarray:
+        """One forward over several sequences: parts = [(ids, cache)], each ids appended at its
+        own cache.length (distinct caches). The GEMMs run over all rows at once, attention per
+        sequence over its own cache. Returns the final-normed hidden states [sum n, d], the
+        parts' rows in order."""
         cfg = self.config
-        ids = self.check_ids(ids, cache)
-        n, start = ids.size, cache.length
-        positions = np.arange(start, start + n)
+        if len({id(c) for _, c in parts}) != len(parts):
+            raise ValueError("hidden_batch: a cache appears twice in one batch")
+        checked = [(self.check_ids(ids, cache), cache) for ids, cache in parts]
+        spans, r = [], 0
+        for ids, cache in checked:
+            spans.append((r, r + ids.size, cache.length))
+            r += ids.size
+        positions = np.concatenate([np.arange(st, st + (e - s)) for s, e, st in spans])
         cos, sin = rope_tables(cfg, positions)
-        x = self.embed(ids)
+        x = self.embed(np.concatenate([ids for ids, _ in checked]))
+        n = x.shape[0]
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
             q, k, v = w["attn_q"].matmul_t(h), w["attn_k"].matmul_t(h), w["attn_v"].matmul_t(h)
@@ -188,14 +208,25 @@ class ReferenceModel:
                 v += w["attn_v_bias"]
             q = apply_rope(q.reshape(n, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_type)
             k = apply_rope(k.reshape(n, cfg.n_kv_heads, cfg.head_dim), cos, sin, cfg.rope_type)
-            cache.k[i, start:start + n] = k
-            cache.v[i, start:start + n] = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-            a = causal_attention(q, cache.k[i, :start + n], cache.v[i, :start + n], start)
+            v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            a = np.empty((n, cfg.q_dim), dtype=np.float32)
+            for (s, e, st), (_, cache) in zip(spans, checked):
+                end = st + (e - s)
+                cache.k[i, st:end] = k[s:e]
+                cache.v[i, st:end] = v[s:e]
+                a[s:e] = causal_attention(q[s:e], cache.k[i, :end], cache.v[i, :end], st)
             x = x + w["attn_output"].matmul_t(a)
             h = rms_norm(x, w["ffn_norm"], cfg.rms_eps)
             x = x + w["ffn_down"].matmul_t(silu(w["ffn_gate"].matmul_t(h)) * w["ffn_up"].matmul_t(h))
-        cache.length = start + n
+        for (s, e, st), (_, cache) in zip(spans, checked):
+            cache.length = st + (e - s)
         return rms_norm(x, self.output_norm, cfg.rms_eps)
+
+    def logits_of(self, h: np.ndarray) -> np.ndarray:
+        """Output projection of final-normed rows h [m, d] -> float32 [m, vocab]."""
+        if self.output.w is not None:
+            return h @ self.output.w.T
+        return self.output.matmul_t(h)
 
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
         h = self.hidden(ids, cache)

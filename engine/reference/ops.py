@@ -84,3 +84,14 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
         o = p.reshape(n_kv, group * (c1 - c0), length) @ vt[:, :length]  # [KVH, G*m, hd]
         out[c0:c1] = o.reshape(n_kv, group, c1 - c0, hd).transpose(2, 0, 1, 3).reshape(c1 - c0, n_heads, hd)
     return out.reshape(n, n_heads * hd)
+
+
+def top_two(logits: np.ndarray) -> tuple[int, float, float]:
+    """(argmax id, its logit, its lead over the runner-up); ties -> the lowest id."""
+    best = int(np.argmax(logits))
+    top = float(logits[best])
+    if logits.shape[0] < 2:
+        return best, top, float("inf")
+    rest = logits.copy()
+    rest[best] = -np.inf
+    return best, top, top - float(rest.max())

@@ -1,0 +1,182 @@
+"""engine.scheduler on the CPU backend: continuous batching gives each sequence the tokens it
+gets alone (greedy, by the margin rule), chunked prefill, slot reuse, prefix reuse, stops,
+cancellation and errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.generate import generate
+from engine.reference.model import ReferenceModel
+from engine.scheduler import Scheduler, Sequence, SlotTable, common_prefix
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return ReferenceModel.from_path(tiny_model_path)
+
+
+def _prompts(model, n, lo=3, hi=40, seed=0):
+    rng = np.random.default_rng(seed)
+    V = model.config.vocab_size
+    return [rng.integers(0, V, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _seq(prompt, max_tokens, sink, **kw):
+    toks = sink.setdefault(id(prompt), [])
+    done = {}
+
+    def fin(res):
+        done["res"] = res
+
+    s = Sequence(prompt, max_tokens, on_token=lambda st: toks.append(st.token) or True, on_finish=fin, **kw)
+    s.done = done
+    return s
+
+
+def _run(sched, limit=10_000):
+    steps = []
+    while sched.busy and len(steps) < limit:
+        steps.append(sched.step())
+    assert not sched.busy
+    return steps
+
+
+def _agree(alone, batched):
+    """Equal up to the first step whose margin (alone) is under 0.5."""
+    for i, (a, b) in enumerate(zip(alone.tokens, batched)):
+        if a != b:
+            assert alone.margins[i] < 0.5, (i, alone.margins[i])
+            return
+        if alone.margins[i] < 0.5:
+            return
+    assert len(batched) == len(alone.tokens)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [512, 16, 5])
+def test_batched_greedy_equals_alone(model, max_batch_tokens):
+    prompts = _prompts(model, 7)
+    sink = {}
+    sched = Scheduler(model.batch(3, 128), max_batch_tokens=max_batch_tokens)
+    seqs = [_seq(p, 8 + i, sink) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    steps = _run(sched)
+    assert max(st.tokens for st in steps) <= max(max_batch_tokens, 3 + min(64, max_batch_tokens))
+    assert any(st.decode and st.tokens > st.decode for st in steps), "prefill chunks never mixed with decodes"
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        alone = generate(model, p, 8 + i)
+        _agree(alone, sink[id(p)])
+        assert s.done["res"].stop_reason == "length"
+        assert s.done["res"].tokens == sink[id(p)]
+
+
+def test_two_runs_identical(model):
+    prompts = _prompts(model, 5, seed=3)
+    outs = []
+    for _ in range(2):
+        sink = {}
+        sched = Scheduler(model.batch(4, 96), max_batch_tokens=24)
+        for p in prompts:
+            sched.add(_seq(p, 10, sink))
+        _run(sched)
+        outs.append([sink[id(p)] for p in prompts])
+    assert outs[0] == outs[1]
+
+
+def test_eog_stop_and_max_tokens(model):
+    p = _prompts(model, 1, seed=5)[0]
+    alone = generate(model, p, 8)
+    sink = {}
+    sched = Scheduler(model.batch(2, 64))
+    s_eog = _seq(p, 8, sink, eog_ids=frozenset([alone.tokens[3]]))
+    sched.add(s_eog)
+    _run(sched)
+    assert s_eog.done["res"].stop_reason == "eog"
+    assert sink[id(p)] == alone.tokens[:3]
+    # on_token returning False: a stop after the 2nd token, emitted
+    got = []
+    s = Sequence(p, 8, on_token=lambda st: got.append(st.token) or len(got) < 2, on_finish=lambda r: None)
+    sched.add(s)
+    _run(sched)
+    assert got == alone.tokens[:2] and s.result.stop_reason == "stop"
+
+
+def test_prompt_only_and_capacity(model):
+    sched = Scheduler(model.batch(1, 32))
+    s = Sequence([1, 2, 3], 0, on_token=lambda st: pytest.fail("no token expected"), on_finish=lambda r: None)
+    sched.add(s)
+    _run(sched)
+    assert s.result.stop_reason == "length" and s.result.tokens == []
+    with pytest.raises(ValueError, match="exceed the slot size 32"):
+        sched.add(Sequence(list(range(30)), 3, on_token=lambda st: True, on_finish=lambda r: None))
+
+
+def test_cancel_waiting_and_running(model):
+    prompts = _prompts(model, 3, seed=7)
+    flags = [False, False, False]
+    sched = Scheduler(model.batch(1, 128))
+    seqs = []
+    for i, p in enumerate(prompts):
+        s = Sequence(p, 50, on_token=lambda st: True, on_finish=lambda r: None,
+                     is_cancelled=lambda i=i: flags[i])
+        sched.add(s)
+        seqs.append(s)
+    sched.step()
+    sched.step()
+    flags[0] = flags[2] = True     # running one and a waiting one
+    _run(sched)
+    assert seqs[0].result.stop_reason == "cancelled" and 0 < len(seqs[0].result.tokens) < 50
+    assert seqs[2].result.stop_reason == "cancelled" and seqs[2].result.tokens == []
+    assert seqs[1].result.stop_reason == "length" and len(seqs[1].result.tokens) == 50
+
+
+def test_prefix_reuse_same_and_other_slot(model):
+    V = model.config.vocab_size
+    rng = np.random.default_rng(11)
+    shared = rng.integers(0, V, 40).tolist()
+    a, b, c = shared + [5, 6], shared + [7, 8, 9], shared[:30] + [1]
+    sched = Scheduler(model.batch(2, 128))
+    sa = Sequence(a, 4, on_token=lambda st: True, on_finish=lambda r: None)
+    sched.add(sa)
+    _run(sched)
+    assert sa.cached_tokens == 0
+    sb = Sequence(b, 4, on_token=lambda st: True, on_finish=lambda r: None)
+    sched.add(sb)
+    sched.step()
+    assert sb.cached_tokens == 40 and sb.slot == sa.slot          # the slot's own prompt cache
+    sc = Sequence(c, 4, on_token=lambda st: True, on_finish=lambda r: None)
+    sched.add(sc)
+    _run(sched)
+    assert sc.slot != sb.slot and sc.cached_tokens == 30          # copied from the busy slot
+    assert sched.prefix_hits == 2 and sched.prefix_tokens == 70
+    for s, p in ((sb, b), (sc, c)):
+        _agree(generate(model, p, 4), s.result.tokens)
+
+
+def test_slot_table_prefers_longest_then_lru():
+    t = SlotTable(3)
+    t.tokens = [[1, 2, 3], [1, 2], []]
+    slot, reuse, src = t.acquire([1, 2, 3, 4])
+    assert (slot, reuse, src) == (0, 3, None)
+    assert t.acquire([9, 9])[0] in (1, 2)
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+
+
+def test_backend_error_ends_the_step_sequences(model):
+    class Broken:
+        n_slots, slot_capacity = 2, 64
+
+        def run(self, entries):
+            raise RuntimeError("device lost")
+
+        def copy_prefix(self, *a):
+            pass
+
+    sched = Scheduler(Broken())
+    s = Sequence([1, 2], 3, on_token=lambda st: True, on_finish=lambda r: None)
+    sched.add(s)
+    with pytest.raises(RuntimeError):
+        sched.step()
+    assert s.result.stop_reason == "error" and "device lost" in s.result.error
+    assert not sched.busy and sched.slots.n_free == 2
