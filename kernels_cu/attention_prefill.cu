@@ -1,6 +1,7 @@
 // attention_prefill.cu: causal GQA attention for prefill, flash-style (FlashAttention-2 loop)
 // on f16 tensor cores (mma.sync m16n8k16, f32 accumulation), online softmax in f32.
 //
+// Written for one sequence (the varlen entry below maps a batch of sequences onto it):
 // In:  Q  f16 [H, n, HD]      queries of this ubatch (positions start .. start+n-1), already
 //                             rotated and scaled by log2(e)/sqrt(HD) (rope.cu), so
 //                             scores live in the exp2 domain;
@@ -15,18 +16,31 @@
 //                  d = amax/127, q = roundf(o/d), s = d * sum(q) (the dequantized sum;
 //                  see rmsnorm.cu for why not sum(o)).
 // Tiling: block = 4 warps = 64 queries (16 per warp) of one head; keys in tiles of 64,
-//   K/V tiles double-buffered by cp.async (keys >= start+n zero-filled, so p = 0 never meets
-//   garbage in V); smem rows of HD f16 with 16-byte chunk c of row r at c ^ (r & 7)
-//   (conflict-free ldmatrix). Per tile and warp: S (16 x 64) = Q K^T from register Q
+//   K/V tiles double-buffered by cp.async (keys past the block's last query zero-filled, so
+//   p = 0 never meets garbage in V); smem rows of HD f16 with 16-byte chunk c of row r at
+//   c ^ (r & 7) (conflict-free ldmatrix). Per tile and warp: S (16 x 64) = Q K^T from register Q
 //   fragments and ldmatrix K fragments; causal mask (assignment of -inf) only on tiles that
 //   cross the warp's diagonal; tiles past the warp's last query are skipped;
 //   m_new = max(m, rowmax S); corr = 2^(m - m_new); l = l corr + sum p; O = O corr + P V with
 //   P converted in registers to the f16 A fragments and V fragments by ldmatrix.trans.
 //   A row whose scores are all -inf so far uses 0 as its max (2^-inf = 0, never NaN).
-// start = start0 + (startp ? *startp : 0): startp, the position read on the device (one CUDA
-// graph of the prefill serves every position, engine/gpu/prefill_graph.py).
-// Grid (ceil(n/64), H), q tiles in reverse order (longest first); 128 threads;
-// dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
+//   A warp whose 16 query rows are all past the tile's queries (a short tile: a decode token
+//   is a 1-query tile) skips the math of every key tile; it still joins the barriers and the
+//   cooperative loads.
+// Entry points (one body, attn_prefill_body: a tile of nq <= 64 queries, rows row0.. of Q and
+// of the outputs, at positions pos0.., over keys 0..pos0+nq-1 at cache rows kvbase..):
+//   attn_prefill_h{HD}_{f32,q8}: one sequence, the ubatch's n queries at positions start..,
+//     keys at cache rows 0..; start = start0 + (startp ? *startp : 0): startp, the position
+//     read on the device (one CUDA graph of the prefill serves every position,
+//     engine/gpu/prefill_graph.py). Grid (ceil(n/64), H), q tiles in reverse order (longest
+//     first): tile i = queries 64 i .. min(64 i + 64, n) - 1.
+//   attn_prefill_varlen_h{HD}_{f32,q8}: a batched step mixing sequences; Q [H, T, HD], O/Oq/Ods
+//     [T, ...]; tiles int4 [gridDim.x] = {row0, nq, pos0, kvbase}, one per block: query rows
+//     row0..row0+nq-1 of one sequence at positions pos0..pos0+nq-1, whose key p lives at cache
+//     row kvbase + p (sequences occupy disjoint row ranges); nq == 0: the block returns at once
+//     (padding, so that a CUDA graph keeps a fixed grid); 1 <= nq <= 64 otherwise (more: trap).
+//     engine.gpu.ops.attention.varlen_tiles cuts sequences into the one-sequence kernel's tiles.
+// Grid (tiles, H); 128 threads; dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
 #include "common.cuh"
 
 #define AT_BQ 64
@@ -119,8 +133,10 @@ template <int HD, bool Q8>
 __device__ __forceinline__ void attn_prefill_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
-        int n, int H, int KVH, int start, int maxT) {
-    // start: the first query's position (the kernel entry adds the device-side part)
+        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT) {
+    // T: rows of Q [H, T, HD] and of the outputs; this block: query head blockIdx.y, queries
+    // row0 .. row0+nq-1 (1 <= nq <= AT_BQ) at positions pos0 .. pos0+nq-1 over keys
+    // 0 .. pos0+nq-1 at cache rows kvbase .. of each KV head plane
     constexpr int CH = HD / 8;            // 16-byte chunks per row
     constexpr int KS = HD / 16;           // k-steps of Q K^T
     constexpr int NO = HD / 8;            // n-tiles of O
@@ -140,22 +156,20 @@ __device__ __forceinline__ void attn_prefill_body(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int qt = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, kvh = h / (H / KVH);
-    const int q0 = qt * AT_BQ;
-    const int L = start + n;
-    const int qlast = min(q0 + AT_BQ, n) - 1;
-    const int nkt = (start + qlast) / AT_BK + 1;
+    const int L = pos0 + nq;                          // keys of the tile's last query
+    const int nkt = (L - 1) / AT_BK + 1;
+    const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
 
-    const u16* Qh = Q + (size_t)h * n * HD;
-    const u16* Kh = Kc + (size_t)kvh * maxT * HD;
-    const u16* Vh = Vc + (size_t)kvh * maxT * HD;
+    const u16* Qh = Q + ((size_t)h * T + row0) * HD;
+    const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
+    const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
 
     for (int p = tid; p < AT_BQ * CH; p += AT_NTH) {
         const int row = p / CH, ch = p % CH;
-        const bool ok = q0 + row < n;
+        const bool ok = row < nq;
         cp_async16(sQ + row * ROWB + ((ch ^ (row & 7)) << 4),
-                   Qh + (size_t)(ok ? q0 + row : 0) * HD + ch * 8, ok ? 16 : 0);
+                   Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
     }
     auto load_kv = [&](int kt, int buf) {
         for (int p = tid; p < AT_BK * CH; p += AT_NTH) {
@@ -176,13 +190,13 @@ __device__ __forceinline__ void attn_prefill_body(
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float mrow[2] = {AT_NEG_INF, AT_NEG_INF}, lrow[2] = {0.0f, 0.0f};
-    const int wfirst = start + q0 + warp * 16;        // position of the warp's first query
-    const int pos0 = wfirst + g;                      // rows g and g + 8
+    const int wfirst = pos0 + warp * 16;              // position of the warp's first query
+    const int prow = wfirst + g;                      // rows g and g + 8
 
     for (int kt = 0; kt < nkt; ++kt) {
         cp_async_wait<0>();
         __syncthreads();                              // tile kt landed; tile kt-1 consumed
-        if (kt == 0) {
+        if (kt == 0 && !idle) {
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) {
                 const int row = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
@@ -194,7 +208,7 @@ __device__ __forceinline__ void attn_prefill_body(
         if (kt + 1 < nkt) load_kv(kt + 1, (kt + 1) & 1);
         cp_async_commit();
         const int k0 = kt * AT_BK;
-        if (k0 > wfirst + 15) continue;               // every key after every query of the warp
+        if (idle || k0 > wfirst + 15) continue;       // no query, or every key after every query
         const saddr sK = sK0 + (kt & 1) * TILE, sV = sV0 + (kt & 1) * TILE;
 
         float s[8][4];
@@ -218,7 +232,7 @@ __device__ __forceinline__ void attn_prefill_body(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = k0 + j * 8 + 2 * tig + (e & 1);
-                    if (key > pos0 + 8 * (e >> 1)) s[j][e] = AT_NEG_INF;
+                    if (key > prow + 8 * (e >> 1)) s[j][e] = AT_NEG_INF;
                 }
         }
 #pragma unroll
@@ -265,6 +279,7 @@ __device__ __forceinline__ void attn_prefill_body(
         }
     }
 
+    if (idle) return;                                 // warp-uniform; no block barrier below
     const int QD = H * HD;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -272,8 +287,9 @@ __device__ __forceinline__ void attn_prefill_body(
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const float inv = nf_div(1.0f, l);
-        const int t = q0 + warp * 16 + g + 8 * r;
-        const bool ok = t < n;
+        const int lr = warp * 16 + g + 8 * r;         // row in the tile
+        const int t = row0 + lr;
+        const bool ok = lr < nq;
         if (!Q8) {
             if (ok) {
 #pragma unroll
@@ -324,8 +340,21 @@ __device__ __forceinline__ void attn_prefill_body(
                                 const u16* __restrict__ Vc, float* __restrict__ O,              \
                                 i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
                                 int KVH, const int* __restrict__ startp, int start0, int maxT) { \
-        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH,                          \
-                                    start0 + (startp ? *startp : 0), maxT);                     \
+        const int q0 = (gridDim.x - 1 - blockIdx.x) * AT_BQ;                                    \
+        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AT_BQ, n - q0),  \
+                                    start0 + (startp ? *startp : 0) + q0, 0, maxT);            \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(AT_NTH)                                        \
+    attn_prefill_varlen_h##HDV##_##SUF(const u16* __restrict__ Q, const u16* __restrict__ Kc,   \
+                                       const u16* __restrict__ Vc, float* __restrict__ O,       \
+                                       i8* __restrict__ Oq, float2* __restrict__ Ods,           \
+                                       const int4* __restrict__ tiles, int T, int H, int KVH,   \
+                                       int maxT) {                                              \
+        const int4 tl = tiles[blockIdx.x];                                                      \
+        if (tl.y <= 0) return;                                                                  \
+        if (tl.y > AT_BQ) __trap();                                                             \
+        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, T, H, KVH, tl.x, tl.y, tl.z, tl.w,   \
+                                    maxT);                                                      \
     }
 
 AT_INSTANCE(64, f32, false)

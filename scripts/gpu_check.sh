@@ -28,6 +28,11 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 
 section() { echo; echo "=================== $* ($(date +%T))"; }
 
+if [ "${LLAMA:-0}" = 1 ] && [ -f .gpu_data/llama.cpp.tar.gz ]; then
+  setsid bash .gpu_data/build.sh "$PWD/.gpu_data/llama.cpp.tar.gz" > /tmp/llama_build_top.log 2>&1 &
+  LLAMA_PID=$!
+fi
+
 step_env() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())"
@@ -107,6 +112,52 @@ step_perf() {
   local rc=$?
   tr '\r' '\n' < "$OUT/perf.err" | grep -v '^$' | tail -8
   return $rc
+}
+
+# Many users (issue 13): `serve --device gpu` on the synthetic llama2-7b with --parallel LOAD_NP,
+# scripts/load_gen.py at LOAD_CONC (256-token random prompts, 128 tokens each, ignore_eos), then the
+# shared-prefix probe (two requests with the same 2,000-token prefix, one after the other) and the
+# server's batching metrics. With .gpu_data/llama.cpp.tar.gz, llama.cpp is built in the background
+# at the start (LLAMA=1) and its llama-batched-bench (npp 256, ntg 128, npl 1,8,32) runs last.
+step_load() {
+  local m=/tmp/l7b.gguf port=8093 rc=0 i
+  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  python3 -m engine serve -m "$m" --device gpu --host 127.0.0.1 --port $port --parallel "${LOAD_NP:-32}" \
+      --max-queue 512 ${LOAD_ARGS:-} > "$OUT/serve.log" 2>&1 &
+  local pid=$!
+  for i in $(seq 1 300); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+    kill -0 $pid 2>/dev/null || { tail -20 "$OUT/serve.log"; return 1; }
+    sleep 1
+  done
+  echo "server ready after ${i}s"
+  timeout 300 python3 scripts/load_gen.py --port $port --concurrency "${LOAD_CONC:-1,8,32}" --prompt-tokens 256 \
+      --max-tokens 128 --id-lo 100 --id-hi 31000 --json "$OUT/load.json" 2>&1 | tail -12 || rc=1
+  timeout 120 python3 scripts/load_gen.py --port $port --concurrency 1 --requests 2 --warmup 0 --prompt-tokens 2048 \
+      --shared-prefix 2000 --max-tokens 4 --id-lo 100 --id-hi 31000 --seed 7 --json "$OUT/prefix.json" 2>&1 | tail -3 || rc=1
+  python3 - "$OUT/prefix.json" <<'PY' || rc=1
+import json, sys
+t = json.load(open(sys.argv[1]))["records"][0]["ttfts_s"]
+print(f"prefix probe: TTFT first {t[0]:.3f} s, second {t[1]:.3f} s, ratio {t[1] / t[0]:.3f} (gate <= 0.20)")
+PY
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+      | grep -E "^gguf_prefill_(batch_(tokens|sequences)_(sum|count)|prefix_cache|time_to_first_token_seconds_(sum|count)|generated_tokens_total)" 
+  kill -TERM $pid; wait $pid
+  grep -E "Traceback|ERROR" "$OUT/serve.log" | head -5
+  if [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] || wait_llama; then
+    timeout 200 /tmp/llama.cpp/build/bin/llama-batched-bench -m "$m" -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
+        -npp 256 -ntg 128 -npl 1,8,32 > "$OUT/llama_batched.txt" 2>&1 || rc=1
+    grep -E "^\|" "$OUT/llama_batched.txt" | tail -5
+  fi
+  return $rc
+}
+
+# llama.cpp, built in the background at the top of the call (LLAMA=1): wait for it (bounded).
+wait_llama() {
+  [ -n "${LLAMA_PID:-}" ] || return 1
+  local i
+  for i in $(seq 1 ${LLAMA_WAIT:-240}); do kill -0 "$LLAMA_PID" 2>/dev/null || break; sleep 1; done
+  [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] || { echo "llama.cpp not built"; tail -5 /tmp/llama_build.log 2>/dev/null; return 1; }
 }
 
 # GPU prefill (issue 4): kernels, whole-model logits vs the reference, bench (carry .gpu_data).

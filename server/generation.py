@@ -4,6 +4,7 @@ text that leaves the worker, stop strings, logprob records, metrics and the job'
 - Text leaves only as complete UTF-8 characters (bytes from token_to_bytes go through an
   incremental decoder), and text that might be the start of a `stop` string is held back
   until it is known not to be.
+- One "text" event per generated token (its text may be empty), so a client sees every step.
 - Greedy (no sampler) takes the engine's own argmax; a sampler (server.sampling.TokenChooser)
   gets the logits of each step.
 """
@@ -110,9 +111,9 @@ class GenerationJob:
         self.metrics.generated_tokens.inc()
         self.tokens.append(int(step.token))
         self.pending += 1
-        delta = self.text.push(int(step.token))
-        if delta:
-            self._emit_text(delta)
+        # one event per token, as OpenAI streams: its text may be "" (a token with no bytes of
+        # its own, an incomplete UTF-8 character, text held back as a possible stop string)
+        self._emit_text(self.text.push(int(step.token)))
         if self.text.stopped:
             return False
         if self.chooser is not None and self.chooser.stopped:

@@ -125,16 +125,16 @@ def attach_batch(engine: Engine, settings: Settings) -> None:
     engine.n_ctx = min(engine.n_ctx, engine.batch.slot_capacity)
 
 
-def warm_up_batch(batch, n_prompt: int = 64) -> None:
-    """Load the batched step's kernels (and capture its small graphs): a few steps of a
-    prompt and its decode through a scheduler."""
-    from engine.scheduler import Scheduler, Sequence
+def warm_up_batch(batch, max_tokens: int = 128) -> None:
+    """Load the batched step's kernels and record its CUDA graphs now (while /health says 503),
+    so no request pays for them: one step of each power-of-two size up to max_tokens in slot 0
+    (its contents are forgotten: the scheduler made later starts with every slot empty)."""
+    from engine.scheduler import BatchEntry
 
-    sched = Scheduler(batch)
-    n = max(1, min(n_prompt, batch.slot_capacity - 3))
-    sched.add(Sequence([0] * n, 3, on_token=lambda st: True, on_finish=lambda r: None))
-    while sched.busy:
-        sched.step()
+    t = 1
+    while t <= min(max_tokens, batch.slot_capacity):
+        batch.run([BatchEntry(0, [0] * t, 0, "argmax")])
+        t *= 2
 
 
 def load_engine(settings: Settings) -> Engine:
@@ -159,7 +159,9 @@ def load_engine(settings: Settings) -> Engine:
                     model_id=os.path.basename(path), n_ctx_train=n_ctx_train)
     attach_batch(engine, settings)
     if getattr(model, "device", "cpu") != "cpu":
-        warm_up_batch(engine.batch, min(64, engine.n_ctx))
+        from engine.gpu.prefill_graph import GRAPH_MAX_TOKENS
+
+        warm_up_batch(engine.batch, min(GRAPH_MAX_TOKENS, settings.max_batch_tokens))
     log.info("loaded %s (%s backend) in %.2f s, n_ctx %d, %d slots", path, type(model).__name__,
              time.perf_counter() - t0, engine.n_ctx, settings.parallel)
     return engine

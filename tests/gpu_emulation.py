@@ -77,19 +77,35 @@ def emu_add_rmsnorm_q8_1(x, y, w, eps, act, hout=None):
 
 
 def emu_qkv_rope(q, k, v, lds, bq, bk, bv, cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads, head_dim,
-                 start_dev=None):
+                 start_dev=None, rows=None):
     start += 0 if start_dev is None else int(start_dev[0])
     n = qout.shape[1]
-    qh, kh, vh = numerics.qkv_rope_f16(q, k, v, bq, bk, bv, cos[start:start + n], sin[start:start + n],
+    if rows is None:
+        pos = cache_rows = np.arange(start, start + n)
+    else:
+        pos, cache_rows = (np.asarray(a, dtype=np.int64) for a in rows)
+    qh, kh, vh = numerics.qkv_rope_f16(q, k, v, bq, bk, bv, cos[pos], sin[pos],
                                        n_heads, n_kv_heads, head_dim, neox)
     qout[...] = qh
-    kc[:, start:start + n] = kh
-    vc[:, start:start + n] = vh
+    kc[:, cache_rows] = kh
+    vc[:, cache_rows] = vh
 
 
 def emu_attention_prefill(qh, kc, vc, start, out_act=None, out_f32=None, start_dev=None):
     start += 0 if start_dev is None else int(start_dev[0])
     o = numerics.attention_f16(qh, kc, vc, start)
+    if out_f32 is not None:
+        out_f32[...] = o
+    else:
+        _store_q8(quants.quantize_q8_1(o), out_act)
+
+
+def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None):
+    T, QD = qh.shape[1], qh.shape[0] * qh.shape[2]
+    o = np.zeros((T, QD), dtype=np.float32)
+    for row0, nq, pos0, kvb in np.asarray(tiles_dev):
+        if nq > 0:
+            o[row0:row0 + nq] = numerics.attention_f16(qh[:, row0:row0 + nq], kc[:, kvb:], vc[:, kvb:], pos0)
     if out_f32 is not None:
         out_f32[...] = o
     else:
@@ -108,17 +124,31 @@ def emu_mmq(weight, act, out=None, variant=None):
     return out
 
 
+def emu_gather_add_rows(x, y, sel, out):
+    out[...] = x[np.asarray(sel)] + y[np.asarray(sel)]
+
+
+def emu_argmax_rows(logits_2d, ids_out, best_out=None):
+    ids_out[...] = np.argmax(logits_2d, axis=1)
+    if best_out is not None:
+        best_out[...] = logits_2d[np.arange(logits_2d.shape[0]), ids_out]
+
+
 @contextmanager
 def emulated_gpu():
     """Patch cupy (numpy), the prefill launchers (engine.gpu.ops.*) and engine.gpu.ops.mmq.mmq for the
-    duration; prompts run eager (no CUDA graph: engine.gpu.model's graph_tokens says None)."""
-    from engine.gpu import model as gpu_model, ops
+    duration; prompts and batched steps run eager (no CUDA graph: engine.gpu.model's graph_tokens
+    says None, engine.gpu.batch.GPUBatch._replay enqueues)."""
+    from engine.gpu import batch as gpu_batch, model as gpu_model, ops
 
     saved_mod = sys.modules.get("cupy")
     patches = {(ops.embed, "embed"): emu_embed, (ops.norm, "add_rmsnorm_q8_1"): emu_add_rmsnorm_q8_1,
                (ops.rope, "qkv_rope"): emu_qkv_rope, (ops.attention, "attention_prefill"): emu_attention_prefill,
+               (ops.attention, "attention_varlen"): emu_attention_varlen,
                (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq,
-               (gpu_model, "graph_tokens"): lambda n, start, capacity: None}
+               (ops.norm, "gather_add_rows"): emu_gather_add_rows, (ops.argmax, "argmax_rows"): emu_argmax_rows,
+               (gpu_model, "graph_tokens"): lambda n, start, capacity: None,
+               (gpu_batch.GPUBatch, "_replay"): lambda self, sb: sb.enqueue(self)}
     saved = {key: getattr(*key) for key in patches}
     sys.modules["cupy"] = _fake_cupy()
     try:

@@ -14,7 +14,8 @@ Checks (each on fresh random inputs, outputs poisoned before the launch):
   attention over the
   same cached values: |o - ref| <= 1e-5 * max|V| + 1e-6; its q8_1 output identical to
   engine.formats.quants.quantize_q8_1 of its float32 output.
-- argmax: numpy.argmax semantics (ties -> lowest id, NaN wins), state and history updates.
+- argmax: numpy.argmax semantics (ties -> lowest id, NaN wins), state and history updates;
+  argmax_rows (a batched step's rows, strided): the same per row as numpy.argmax and argmax_step.
 - embedding rows bit-identical to the reference's dequantization; rmsnorm + q8_1 within 2 ulp
   of the reference and q8_1 identical to quantize_q8_1 of the kernel's own float32 output;
   bias + RoPE + KV append bit-identical to the reference's RoPE (rounded to the cache type).
@@ -311,6 +312,45 @@ def test_argmax(cp, rng, V):
         assert st[0] == want, (i, st[0], want)
         assert st[1] == 11 + i and st[2] == i + 1
         assert cp.asnumpy(hist)[i] == want
+
+
+@pytest.mark.parametrize("V", [512, 32000] if EMU else [512, 32000, 151936])
+def test_argmax_rows(cp, rng, V):
+    """argmax_rows over rows of a strided array (row stride > V): random, a three-way tie, NaNs
+    (the first wins), all -inf, a row of equal values; numpy.argmax per row and argmax_step's
+    choice (and logit) on the same row."""
+    from engine.gpu import kernels
+    from engine.gpu.ops.argmax import argmax_rows
+
+    x = rng.standard_normal((6, V + 7)).astype(np.float32)
+    x[1, rng.choice(V, 3, replace=False)] = 50.0
+    x[2, [V // 2, V - 1, 3 * V // 4]] = np.nan
+    x[3, :V] = -np.inf
+    x[4, :V] = 0.25
+    x[5, 0] = np.nan
+    rows = x[:, :V]
+    want = np.argmax(rows, axis=1)
+    d = cp.asarray(x)
+    ids = cp.full(6, -7, dtype=cp.int32)
+    best = cp.full(6, 1234.0, dtype=cp.float32)
+    argmax_rows(d[:, :V], ids, best)
+    gi, gb = cp.asnumpy(ids), cp.asnumpy(best)
+    assert gi.tolist() == want.tolist(), (gi, want)
+    wb = rows[np.arange(6), want]
+    assert (gb.view(np.uint32) == wb.view(np.uint32)).all(), (gb, wb)
+    step = kernels.get_kernel("argmax.cu", "argmax_step")
+    for r in range(6):
+        state = cp.asarray(np.array([-1, 0, 0, 0], dtype=np.int32))
+        hist = cp.full(1, -7, dtype=cp.int32)
+        b1 = cp.full(1, 1234.0, dtype=cp.float32)
+        step((1,), (1024,), (cp.asarray(rows[r]), np.int32(V), state, hist, np.int32(1), b1))
+        assert int(cp.asnumpy(state)[0]) == gi[r]
+        assert cp.asnumpy(b1)[0].view(np.uint32) == gb[r].view(np.uint32)
+    ids2 = cp.full(6, -7, dtype=cp.int32)
+    argmax_rows(d[:, :V], ids2)                                  # best optional
+    assert cp.asnumpy(ids2).tolist() == want.tolist()
+    with pytest.raises(ValueError):
+        argmax_rows(d[:, :V], cp.full(5, 0, dtype=cp.int32))
 
 
 # ----------------------------------------------------------------------------- fused kernels

@@ -12,6 +12,12 @@ installed in place of cupy): outputs poisoned before each launch, fresh random i
                      keys past the prompt poisoned with NaN; scores up to ~1e4 stay finite
     swiglu+q8_1      |q d - silu(g) u| <= d/2 (+1e-6 relative), d within 1e-6 relative,
                      s = d * sum(q) exactly
+Batched step (several sequences, rows shuffled, own positions and cache bases in one cache):
+    rope varlen      q and cache rows bit-identical to the contiguous kernel per sequence;
+                     cache rows of no token untouched
+    attention varlen f32 and q8_1 outputs bit-identical to the one-sequence kernel per sequence
+                     (1-query decode tiles, a two-tile sequence, zero padding tiles); the
+                     attention bound above against the numpy oracle; rows of no sequence NaN
 
 Whole model (marker `gpu`, real GPU only): logits vs engine.reference.model.ReferenceModel on the same
 file. Error bound, relative Frobenius norm over the positions compared:
@@ -252,6 +258,171 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
     assert np.isfinite(o).all()
     assert err <= vmax * 2 ** -9
     assert q8_excess <= 1e-6 * vmax and sm == 0
+
+
+# ----------------------------------------------------------------------------- batched step (varlen)
+
+def test_varlen_tiles_host():
+    """The tiles of a batch: each sequence cut as the one-sequence kernel cuts it, the longest
+    key range first, zero tiles up to the grid; the grid bound holds for every split of T rows."""
+    from engine.gpu.ops.attention import varlen_max_tiles, varlen_tiles
+
+    t = varlen_tiles([(1, 70, 5, 0), (0, 1, 40, 80), (72, 3, 0, 130), (71, 1, 0, 140), (75, 0, 9, 150)], n_tiles=7)
+    assert t.dtype == np.int32 and t.shape == (7, 4)
+    assert t.tolist() == [[65, 6, 69, 0], [1, 64, 5, 0], [0, 1, 40, 80], [72, 3, 0, 130], [71, 1, 0, 140],
+                          [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert varlen_tiles([]).shape == (0, 4)
+    assert varlen_tiles([(0, 128, 0, 0)]).tolist() == [[64, 64, 64, 0], [0, 64, 0, 0]]
+    with pytest.raises(ValueError):
+        varlen_tiles([(0, 129, 0, 0)], n_tiles=2)
+    with pytest.raises(ValueError):
+        varlen_tiles([(0, 3, -1, 0)])
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        E = int(rng.integers(1, 9))
+        T = int(rng.integers(E, 600))
+        cuts = np.sort(rng.choice(np.arange(1, T), E - 1, replace=False)) if E > 1 else np.array([], int)
+        ns = np.diff(np.concatenate([[0], cuts, [T]]))
+        need = len(varlen_tiles([(0, int(n), 0, 0) for n in ns]))
+        assert need <= varlen_max_tiles(T, E) <= min(T, T // 64 + E)
+    assert varlen_max_tiles(196, 4) == 7 == len(varlen_tiles([(0, 65, 0, 0)] * 3 + [(0, 1, 0, 0)]))
+    assert varlen_max_tiles(64, 2) == 2 and varlen_max_tiles(3, 8) == 3
+
+
+def _varlen_batch(rng, seqs):
+    """Shuffled batch rows of sequences (n, start, kvbase): per batch row its (sequence, index)."""
+    owner = [(s, i) for s, (n, _, _) in enumerate(seqs) for i in range(n)]
+    perm = rng.permutation(len(owner))
+    return [owner[j] for j in perm]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rope_type,hd,bias", [("normal", 64, False), ("neox", 128, True)])
+def test_qkv_rope_varlen(cp, rng, rope_type, hd, bias):
+    """rows=(pos, row): a batch of 3 sequences (own starts and cache bases), rows shuffled;
+    q rows and cache rows bit-identical to the contiguous kernel run per sequence; cache rows of
+    no token untouched."""
+    from engine.gpu import ops
+    from engine.formats.config import ModelConfig
+    from engine.formats.rope import rope_tables
+
+    H, KVH, maxT = 2, 1, 48
+    seqs = [(5, 3, 0), (1, 10, 20), (4, 0, 36)]            # (n, start, kvbase)
+    cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 256, 10, 64, 1e4 if rope_type == "normal" else 1e6,
+                      rope_type, 1e-5, bias, False)
+    qd, kvd = H * hd, KVH * hd
+    ld = qd + 2 * kvd
+    P = max(st + n for n, st, _ in seqs)
+    cos, sin = (cp.asarray(x) for x in rope_tables(cfg, np.arange(P)))
+    b = [cp.asarray((rng.standard_normal(c) * 50).astype(np.float32)) if bias else None for c in (qd, kvd, kvd)]
+    per = [(rng.standard_normal((n, ld)) * 3).astype(np.float32) for n, _, _ in seqs]
+    order = _varlen_batch(rng, seqs)
+    T = len(order)
+    qkv = np.stack([per[s][i] for s, i in order])
+    pos = np.array([seqs[s][1] + i for s, i in order], dtype=np.int32)
+    row = np.array([seqs[s][2] + seqs[s][1] + i for s, i in order], dtype=np.int32)
+    d = cp.asarray(qkv)
+    qout = cp.full((H, T, hd), np.nan, dtype=cp.float16)
+    kc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
+    vc = cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
+    ops.rope.qkv_rope(d[:, :qd], d[:, qd:qd + kvd], d[:, qd + kvd:], (ld, ld, ld), *b, cos, sin, qout, kc, vc, 0,
+                      rope_type == "neox", H, KVH, hd, rows=(cp.asarray(pos), cp.asarray(row)))
+    gq, gk, gv = cp.asnumpy(qout), cp.asnumpy(kc), cp.asnumpy(vc)
+    mism, written = 0, np.zeros(maxT, bool)
+    for s, (n, st, base) in enumerate(seqs):
+        ds = cp.asarray(per[s])
+        sq = cp.full((H, n, hd), np.nan, dtype=cp.float16)
+        sk = cp.full((KVH, st + n, hd), np.nan, dtype=cp.float16)
+        sv = cp.full((KVH, st + n, hd), np.nan, dtype=cp.float16)
+        ops.rope.qkv_rope(ds[:, :qd], ds[:, qd:qd + kvd], ds[:, qd + kvd:], (ld, ld, ld), *b, cos, sin, sq, sk, sv,
+                          st, rope_type == "neox", H, KVH, hd)
+        sq, sk, sv = cp.asnumpy(sq), cp.asnumpy(sk), cp.asnumpy(sv)
+        rows_t = [t for t, (o, _) in enumerate(order) if o == s]
+        idx = [order[t][1] for t in rows_t]
+        mism += int(np.sum(gq[:, rows_t].view(np.uint16) != sq[:, idx].view(np.uint16)))
+        mism += int(np.sum(gk[:, base + st:base + st + n].view(np.uint16) != sk[:, st:].view(np.uint16)))
+        mism += int(np.sum(gv[:, base + st:base + st + n].view(np.uint16) != sv[:, st:].view(np.uint16)))
+        written[base + st:base + st + n] = True
+    untouched = bool(np.isnan(gk[:, ~written].astype(np.float32)).all() and
+                     np.isnan(gv[:, ~written].astype(np.float32)).all())
+    _report(test="prefill_rope_varlen", rope_type=rope_type, hd=hd, bias=bias, mismatches=mism, untouched=untouched)
+    assert mism == 0
+    assert untouched
+    with pytest.raises(ValueError):                        # rows take the positions: no start
+        ops.rope.qkv_rope(d[:, :qd], d[:, qd:qd + kvd], d[:, qd + kvd:], (ld, ld, ld), *b, cos, sin, qout, kc, vc,
+                          1, rope_type == "neox", H, KVH, hd, rows=(cp.asarray(pos), cp.asarray(row)))
+    with pytest.raises(ValueError):
+        ops.rope.qkv_rope(d[:, :qd], d[:, qd:qd + kvd], d[:, qd + kvd:], (ld, ld, ld), *b, cos, sin, qout, kc, vc,
+                          0, rope_type == "neox", H, KVH, hd, rows=(cp.asarray(pos[:-1]), cp.asarray(row[:-1])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,H,KVH", [(64, 2, 1), (128, 2, 1)])
+def test_attention_varlen(cp, rng, hd, H, KVH):
+    """A batched step: a 70-query sequence (two tiles), a 3-query one, two decode tokens (1-query
+    tiles), own starts and cache bases in one cache, batch rows shuffled per sequence block,
+    zero tiles padding the grid. f32 and q8_1 outputs bit-identical to the one-sequence kernel
+    run per sequence (over a copy of its cache rows); f32 within test_attention_prefill's bound
+    of the numpy oracle. Cache rows outside every sequence's keys hold NaN (never read)."""
+    from engine.gpu import ops
+    from engine.gpu.ops.attention import varlen_max_tiles, varlen_tiles
+    from engine.reference.numerics import attention_f16 as attention_numpy
+
+    seqs = [(70, 5, 0), (1, 40, 80), (3, 0, 130), (1, 0, 140)]          # (n, start, kvbase)
+    maxT = 150
+    scale = math.log2(math.e) / math.sqrt(hd)
+    kc = np.full((KVH, maxT, hd), np.nan, dtype=np.float16)
+    vc = np.full((KVH, maxT, hd), np.nan, dtype=np.float16)
+    for n, st, base in seqs:
+        kc[:, base:base + st + n] = rng.standard_normal((KVH, st + n, hd))
+        vc[:, base:base + st + n] = rng.standard_normal((KVH, st + n, hd)) * 3
+    order = [2, 0, 3, 1]                                  # sequences' blocks of rows in the batch
+    row0, r = {}, 0
+    for s in order:
+        row0[s] = r
+        r += seqs[s][0]
+    T = r
+    q = (rng.standard_normal((H, T, hd)) * scale).astype(np.float16)
+    n_tiles = varlen_max_tiles(T, len(seqs)) + 2
+    tiles = varlen_tiles([(row0[s], n, st, base) for s, (n, st, base) in enumerate(seqs)], n_tiles=n_tiles)
+    assert (tiles[:, 1] == 0).sum() >= 2
+    qd, kd, vd, td = cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(tiles)
+    out = cp.full((T, H * hd), np.nan, dtype=cp.float32)
+    ops.attention.attention_varlen(qd, kd, vd, td, out_f32=out)
+    act = _q8(cp, T, H * hd)
+    ops.attention.attention_varlen(qd, kd, vd, td, out_act=act)
+    o, gq, gds = cp.asnumpy(out), cp.asnumpy(act.q), cp.asnumpy(act.ds)
+    mism, err = 0, 0.0
+    for s, (n, st, base) in enumerate(seqs):
+        rows = slice(row0[s], row0[s] + n)
+        L = st + n
+        ks = np.full((KVH, L + 3, hd), np.nan, dtype=np.float16)
+        vs = np.full((KVH, L + 3, hd), np.nan, dtype=np.float16)
+        ks[:, :L], vs[:, :L] = kc[:, base:base + L], vc[:, base:base + L]
+        qs = np.ascontiguousarray(q[:, rows])
+        ksd, vsd, qsd = cp.asarray(ks), cp.asarray(vs), cp.asarray(qs)
+        so = cp.full((n, H * hd), np.nan, dtype=cp.float32)
+        ops.attention.attention_prefill(qsd, ksd, vsd, st, out_f32=so)
+        sa = _q8(cp, n, H * hd)
+        ops.attention.attention_prefill(qsd, ksd, vsd, st, out_act=sa)
+        so = cp.asnumpy(so)
+        mism += int(np.sum(o[rows].view(np.uint32) != so.view(np.uint32)))
+        mism += int(np.sum(gq[rows] != cp.asnumpy(sa.q)))
+        mism += int(np.sum(gds[rows].view(np.uint32) != cp.asnumpy(sa.ds).view(np.uint32)))
+        kf, vf = ks.copy(), vs.copy()
+        kf[:, L:] = 0
+        vf[:, L:] = 0
+        ref = attention_numpy(qs, kf, vf, st)
+        vmax = float(np.max(np.abs(vs[:, :L].astype(np.float32))))
+        e = float(np.max(np.abs(so - ref))) if np.isfinite(so).all() else float("inf")
+        err = max(err, e / vmax)
+        assert e <= vmax * 2 ** -9, (s, e, vmax)
+    _report(test="prefill_attention_varlen", hd=hd, H=H, KVH=KVH, tiles=int(n_tiles), mismatches=mism,
+            max_err_over_vmax=err, bound=2 ** -9, emulated=bool(getattr(cp, "__emulated__", False)))
+    assert np.isfinite(o).all()
+    assert mism == 0
+    with pytest.raises(ValueError):
+        ops.attention.attention_varlen(qd, kd, vd, cp.asarray(tiles[:, :3].copy()), out_f32=out)
 
 
 # ----------------------------------------------------------------------------- whole model
@@ -559,3 +730,45 @@ def cp_asnumpy(a):
     import cupy
 
     return cupy.asnumpy(a)
+
+
+def test_gpu_batch_plumbing_emulated(tiny_qwen2_model_path):
+    """engine.gpu.batch.GPUBatch on the CPU (tests/gpu_emulation.py): a step mixing prompt chunks
+    and decode tokens of several slots (padding rows, tiles, cache rows, the head's gathered
+    rows) gives each sequence the reference's logits within the bound; a prefix copied between
+    slots continues like the original."""
+    from engine.formats.weights import open_model
+    from engine.reference.model import ReferenceModel
+    from engine.scheduler import BatchEntry
+    from tests.gpu_emulation import emulated_gpu
+
+    mf = open_model(tiny_qwen2_model_path)
+    ref = ReferenceModel(mf)
+    rng = np.random.default_rng(4)
+    V = mf.config.vocab_size
+    p = [rng.integers(0, V, n).tolist() for n in (140, 9, 70)]
+    steps = [[BatchEntry(0, p[0], 0, "logits"), BatchEntry(1, p[1], 0, "logits"), BatchEntry(2, p[2][:40], 0, None)],
+             [BatchEntry(2, p[2][40:], 40, "logits"), BatchEntry(0, [11], 140, "logits"),
+              BatchEntry(1, [12], 9, "argmax")]]
+    caches = [ref.new_cache(256) for _ in p]
+    with emulated_gpu():
+        from engine.gpu.model import GPUModel
+
+        b = GPUModel(mf).batch(3, 256)
+        assert b.cache.capacity == 3 * 256 + 128
+        for entries in steps:
+            outs = b.run(entries)
+            for e, o in zip(entries, outs):
+                want = ref.forward(e.ids, caches[e.slot])
+                if e.want is None:
+                    assert o is None
+                elif e.want == "argmax":
+                    assert o[0] == int(np.argmax(want)) or (np.sort(want)[-1] - np.sort(want)[-2]) < 0.5
+                else:
+                    assert np.linalg.norm(o - want) / np.linalg.norm(want) <= BOUNDS["tiny-qwen2"], (e.slot, e.start)
+        b.copy_prefix(1, 2, 10)                              # slot 1 holds p[1] + [12]
+        x = b.run([BatchEntry(2, [13], 10, "logits")])[0]
+        y = b.run([BatchEntry(1, [13], 10, "logits")])[0]
+        assert np.array_equal(x, y)
+        with pytest.raises(ValueError, match="twice"):
+            b.run([BatchEntry(0, [1], 141, None), BatchEntry(0, [2], 142, None)])

@@ -224,6 +224,13 @@ class GPUModel:
     def new_cache(self, max_tokens: int) -> GPUKVCache:
         return GPUKVCache(self.config, max_tokens)
 
+    def batch(self, n_slots: int, slot_capacity: int, fit_memory: bool = False):
+        """The batched-step backend over this model (engine.gpu.batch.GPUBatch: one shared KV
+        cache of n_slots slots); fit_memory shrinks the slots to what free memory holds."""
+        from engine.gpu.batch import GPUBatch
+
+        return GPUBatch(self, n_slots, slot_capacity, fit_memory=fit_memory)
+
     def session(self, n_tokens: int):
         """A generation session (engine.gpu.session.GPUSession) holding at least n_tokens,
         from the model's pool: its decode graph is captured once and reused; close() (or a
@@ -317,10 +324,13 @@ class GPUModel:
         self.run_layers(bufs, ids_dev, start, cache)
         return self.run_head(bufs, int(ids_dev.shape[0]), all_rows)
 
-    def run_layers(self, bufs, ids_dev, start: int, cache: GPUKVCache, start_dev=None) -> None:
+    def run_layers(self, bufs, ids_dev, start: int, cache: GPUKVCache, start_dev=None, varlen=None) -> None:
         """embed + every layer for the bufs.T tokens ids_dev (int32 on the device) at positions
         start.. (+ start_dev[0] when given: a graph-captured prefill); leaves the residual
-        stream in bufs.x + bufs.y. No allocation, no host synchronization."""
+        stream in bufs.x + bufs.y. No allocation, no host synchronization.
+        varlen = (pos_dev, rows_dev, tiles_dev): a batched step mixing sequences (engine.gpu.batch):
+        token t at RoPE position pos_dev[t], its K/V at cache row rows_dev[t], attention by the
+        tiles of ops.attention.varlen_tiles (start must be 0)."""
         cfg = self.config
         qd, kvd, ff = cfg.q_dim, cfg.kv_dim, cfg.d_ff
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -339,10 +349,14 @@ class GPUModel:
             (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
             with self._span("rope_kv"):
                 ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
-                                  cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd, start_dev)
+                                  cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd, start_dev,
+                                  rows=None if varlen is None else varlen[:2])
             with self._span("attention"):
-                ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q,
-                                                start_dev=start_dev)
+                if varlen is None:
+                    ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q,
+                                                    start_dev=start_dev)
+                else:
+                    ops.attention.attention_varlen(qh, cache.k_layer(i), cache.v_layer(i), varlen[2], out_act=a_q)
             self._gemm(L.wo, a_q, out=y)
             with self._span("rmsnorm_q8"):
                 ops.norm.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)

@@ -175,6 +175,11 @@ def attn_prefill_name(head_dim: int, q8: bool) -> str:
     return f"attn_prefill_h{head_dim}_{'q8' if q8 else 'f32'}"
 
 
+def attn_prefill_varlen_name(head_dim: int, q8: bool) -> str:
+    """The varlen entry of attention_prefill.cu (a batched step's tiles of several sequences)."""
+    return f"attn_prefill_varlen_h{head_dim}_{'q8' if q8 else 'f32'}"
+
+
 # ----------------------------------------------------------------------------- the registry
 
 INSTANCES: dict[str, tuple[str, ...]] = {
@@ -182,7 +187,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "embed.cu": ("embed_q4_k", "embed_q6_k"),
     "rmsnorm.cu": ("add_rmsnorm_q8_1",),
     "rope.cu": ("qkv_rope",),
-    "attention_prefill.cu": tuple(attn_prefill_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
+    "attention_prefill.cu": tuple(attn_prefill_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True))
+    + tuple(attn_prefill_varlen_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
     "swiglu.cu": ("swiglu_q8_1",),
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),
@@ -196,7 +202,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmvq_q6_k.cu": tuple(mmvq_name("q6_k", m, p) for p in (True, False) for m in MMVQ_MODES),
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS),
-    "argmax.cu": ("argmax_step",),
+    "argmax.cu": ("argmax_step", "argmax_rows"),
+    "gather_rows.cu": ("gather_add_rows",),
     # verification (tests/test_gpu_mmq.py, not on the forward path)
     "q6k_expand_check.cu": ("q6k_expand_check",),
 }

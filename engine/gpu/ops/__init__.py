@@ -7,11 +7,13 @@ grid, kernel choice, launch on the current stream, no synchronization.
     embed       token embedding rows                                     embed.cu
     norm        residual add + RMSNorm + q8_1 (prefill)                  rmsnorm.cu
     rope        bias + RoPE + f16, K/V into the cache (prefill)          rope.cu
-    attention   prefill flash attention; decode split + combine          attention_prefill.cu, attention_decode.cu
+    attention   prefill flash attention (one sequence, or varlen: a      attention_prefill.cu, attention_decode.cu
+                batched step's sequences); decode split + combine
     activation  SwiGLU + q8_1 (prefill)                                  swiglu.cu
+    argmax      greedy ids of several logit rows (a batched step)        argmax.cu (argmax_rows)
     checks      verification kernels                                     q6k_expand_check.cu
 
 The submodules are imported here so that `from engine.gpu import ops` then `ops.norm.add_rmsnorm_q8_1`
 works, and a test may patch a launcher on its module (tests/gpu_emulation.py).
 """
-from engine.gpu.ops import activation, attention, checks, embed, mmq, mmvq, norm, q8, rope  # noqa: F401
+from engine.gpu.ops import activation, argmax, attention, checks, embed, mmq, mmvq, norm, q8, rope  # noqa: F401

@@ -3,6 +3,10 @@
 Prefill (attention_prefill.cu): causal GQA flash attention of a ubatch of queries (f16 [H, n, hd],
 rope.cu's output) over the layer's f16 cache, q8_1 or float32 output.
 
+Varlen (attention_prefill.cu's varlen entry): a batched step mixing sequences (continuous
+batching): the rows of several sequences, each at its own positions over its own cache rows,
+cut into the same 64-query tiles (varlen_tiles) and run by the same loop as the prefill.
+
 Decode (attention_decode.cu): one query row per head over keys 0..pos (pos read on the device),
 split over keys then combined, q8_1 output for the Wo GEMV.
 """
@@ -65,6 +69,78 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     k(((n + ATT_BQ - 1) // ATT_BQ, H), (ATT_THREADS,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
+
+
+# ----------------------------------------------------------------------------- varlen (batched step)
+
+def varlen_max_tiles(n_rows: int, max_seqs: int) -> int:
+    """Most tiles that varlen_tiles can make from n_rows query rows in at most max_seqs sequences
+    (a fixed grid for a CUDA graph of a batched step): sum ceil(n_s / 64) <= (T + 63 E) // 64
+    (<= T // 64 + E), and never more than T (a tile holds at least one query)."""
+    if n_rows < 0 or max_seqs < 0:
+        raise ValueError(f"varlen_max_tiles: {n_rows} rows, {max_seqs} sequences")
+    return min(n_rows, (n_rows + (ATT_BQ - 1) * max_seqs) // ATT_BQ)
+
+
+def varlen_tiles(seqs, n_tiles: int | None = None) -> np.ndarray:
+    """The tiles (int32 [n, 4] of (row0, nq, pos0, kvbase)) of attention_varlen (host, numpy).
+
+    seqs: (row0, n, start, kvbase) per sequence: its n queries are rows row0..row0+n-1 of the
+    batch at positions start..start+n-1, its key p at cache row kvbase + p. Each sequence is cut
+    into tiles of ATT_BQ queries from its first query (the tiles attention_prefill makes for it
+    with that start); tiles in decreasing key count (pos0 + nq; the longest first, stable),
+    then zero tiles (skipped by the kernel) up to n_tiles when given (ValueError if more are
+    needed)."""
+    tiles = []
+    for i, seq in enumerate(seqs):
+        row0, n, start, kvbase = (int(x) for x in seq)
+        if min(row0, n, start, kvbase) < 0:
+            raise ValueError(f"varlen_tiles: sequence {i} {tuple(seq)} has a negative field")
+        for q0 in range(0, n, ATT_BQ):
+            tiles.append((row0 + q0, min(ATT_BQ, n - q0), start + q0, kvbase))
+    tiles.sort(key=lambda t: -(t[2] + t[1]))
+    if n_tiles is not None:
+        if len(tiles) > n_tiles:
+            raise ValueError(f"varlen_tiles: {len(tiles)} tiles needed, the grid has {n_tiles}")
+        tiles += [(0, 0, 0, 0)] * (n_tiles - len(tiles))
+    return np.array(tiles, dtype=np.int32).reshape(-1, 4)
+
+
+def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None) -> None:
+    """Causal GQA attention of a batched step mixing sequences: queries qh f16 [H, T, hd]
+    (rope.cu's output, rows in batch order), the layer's cache kc/vc f16 [KVH, maxT, hd], and
+    tiles_dev int32 [n_tiles, 4] on the device (varlen_tiles: (row0, nq, pos0, kvbase) per
+    tile, zero tiles skipped; their ranges are the caller's check). One block per tile and
+    head. Output rows in batch order: out_act (Q8Act [T, H*hd]) or out_f32 (float32
+    [T, H*hd]); exactly one."""
+    H, T, hd = map(int, qh.shape)
+    KVH, maxT = int(kc.shape[0]), int(kc.shape[1])
+    if hd not in ATT_HEAD_DIMS:
+        raise ValueError(f"attention_varlen: head size {hd} not instantiated ({ATT_HEAD_DIMS})")
+    if H % KVH:
+        raise ValueError(f"attention_varlen: {H} heads over {KVH} KV heads")
+    if (out_act is None) == (out_f32 is None):
+        raise ValueError("attention_varlen: give exactly one of out_act, out_f32")
+    contig(qh, np.float16, (H, T, hd), "attention q")
+    contig(kc, np.float16, (KVH, maxT, hd), "attention kc")
+    contig(vc, np.float16, (KVH, maxT, hd), "attention vc")
+    n_tiles = int(tiles_dev.shape[0]) if tiles_dev.ndim == 2 else -1
+    contig(tiles_dev, np.int32, (max(n_tiles, 0), 4), "attention tiles")
+    QD = H * hd
+    if out_act is not None:
+        contig(out_act.q, np.int8, (T, QD), "attention out q")
+        contig(out_act.ds, np.float32, (T, QD // 32, 2), "attention out ds")
+        name, o, oq, ods = registry.attn_prefill_varlen_name(hd, True), null(), out_act.q, out_act.ds
+    else:
+        contig(out_f32, np.float32, (T, QD), "attention out")
+        name, o, oq, ods = registry.attn_prefill_varlen_name(hd, False), out_f32, null(), null()
+    if n_tiles == 0 or T == 0:
+        return
+    smem = attention_smem_bytes(hd)
+    k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
+    k((n_tiles, H), (ATT_THREADS,),
+      (qh, kc, vc, o, oq, ods, tiles_dev, np.int32(T), np.int32(H), np.int32(KVH), np.int32(maxT)),
+      shared_mem=smem)
 
 
 # ----------------------------------------------------------------------------- decode

@@ -1,6 +1,7 @@
 """Fused residual add + RMSNorm + q8_1 (rmsnorm.cu): x += y; act = q8_1(rmsnorm(x) * w).
 
-The decode step's row norm (decode_fused.cu rmsnorm_q8) is launched by engine.gpu.decode."""
+The decode step's row norm (decode_fused.cu rmsnorm_q8) is launched by engine.gpu.decode; a
+batched step's head first gathers its wanted rows with the add done (gather_rows.cu)."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,3 +30,20 @@ def add_rmsnorm_q8_1(x, y, w, eps: float, act, hout=None) -> None:
         return
     k = kernels.get_kernel("rmsnorm.cu", "add_rmsnorm_q8_1")
     k((R,), (256,), (x, ptr(y), w, act.q, act.ds, ptr(hout), np.int32(K), np.float32(eps)))
+
+
+def gather_add_rows(x, y, sel, out) -> None:
+    """out[r] = x[sel[r]] + y[sel[r]] (gather_rows.cu): the rows of a batched step whose
+    logits are wanted, with the residual add done, for the head's add_rmsnorm_q8_1(out, None).
+    x, y float32 [T, d]; sel int32 [R] on the device (0 <= sel < T: the caller's check);
+    out float32 [R, d]."""
+    T, d = map(int, x.shape)
+    R = int(sel.shape[0])
+    contig(x, np.float32, (T, d), "gather x")
+    contig(y, np.float32, (T, d), "gather y")
+    contig(sel, np.int32, (R,), "gather sel")
+    contig(out, np.float32, (R, d), "gather out")
+    if R == 0:
+        return
+    k = kernels.get_kernel("gather_rows.cu", "gather_add_rows")
+    k((-(-d // 256), R), (256,), (x, y, sel, out, np.int32(d)))
