@@ -8,8 +8,8 @@ A step of N tokens (entries in order: each entry's ids at positions start..) run
 T = the power of two >= N up to GRAPH_MAX_TOKENS (padding: token 0 at position 0, K/V into the
 pad rows, never attended, never read by the head), else T = N:
 
-    ids, pos, rows [T]          per token: id, RoPE position, cache row
     tiles [n_tiles, 4]          ops.attention.varlen_tiles (zero tiles up to the fixed grid)
+    ids, pos, rows [T]          per token: id, RoPE position, cache row
     sel [S]                     the batch row of each wanted entry's last token (S = min(T, n_slots))
     GPUModel.run_layers(varlen=(pos, rows, tiles))      every layer, the model's own kernels
     out = gather(x + y)[sel] -> rmsnorm q8_1 -> output GEMM -> logits [S, vocab]
@@ -84,11 +84,13 @@ class StepBuffers:
         for a in (self.bufs.x, self.bufs.y, self.bufs.a_d.q, self.bufs.a_d.ds, self.bufs.a_q.q,
                   self.bufs.a_q.ds, self.bufs.a_f.q, self.bufs.a_f.ds):
             a.fill(0)                  # padding rows stay finite
-        # inputs: ids [T], pos [T], rows [T], sel [S], tiles [n_tiles, 4]
-        self.meta = cp.zeros(3 * T + S + 4 * self.n_tiles, dtype=cp.int32)
-        self.ids, self.pos, self.rows = self.meta[:T], self.meta[T:2 * T], self.meta[2 * T:3 * T]
-        self.sel = self.meta[3 * T:3 * T + S]
-        self.tiles = self.meta[3 * T + S:].reshape(self.n_tiles, 4)
+        # inputs: tiles [n_tiles, 4] first (the kernel reads int4: 16-byte aligned), then
+        # ids [T], pos [T], rows [T], sel [S]
+        nt4 = 4 * self.n_tiles
+        self.meta = cp.zeros(nt4 + 3 * T + S, dtype=cp.int32)
+        self.tiles = self.meta[:nt4].reshape(self.n_tiles, 4)
+        self.ids, self.pos = self.meta[nt4:nt4 + T], self.meta[nt4 + T:nt4 + 2 * T]
+        self.rows, self.sel = self.meta[nt4 + 2 * T:nt4 + 3 * T], self.meta[nt4 + 3 * T:]
         d = cfg.d_model
         self.head_x = cp.zeros((S, d), dtype=cp.float32)
         self.head_a = Q8Act(cp.zeros((S, d), dtype=cp.int8), cp.zeros((S, d // 32, 2), dtype=cp.float32))
@@ -155,7 +157,7 @@ class GPUBatch:
         cp = _cp()
         host, T, wanted = self._plan(entries)
         sb = self._buffers(T)
-        sb.meta[...] = host
+        sb.meta[...] = cp.asarray(host)          # one host-to-device copy
         if T <= GRAPH_MAX_TOKENS:
             self._replay(sb)
             self.graph_steps += 1
@@ -210,7 +212,7 @@ class GPUBatch:
                 wanted.append(i)
             r += k
         tiles = ops.attention.varlen_tiles(seqs, n_tiles)
-        host = np.concatenate([ids, pos, rows, sel, tiles.reshape(-1)]).astype(np.int32)
+        host = np.concatenate([tiles.reshape(-1), ids, pos, rows, sel]).astype(np.int32)
         return host, T, wanted
 
     def _buffers(self, T: int) -> StepBuffers:

@@ -126,6 +126,9 @@ def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None) -> None:
     contig(vc, np.float16, (KVH, maxT, hd), "attention vc")
     n_tiles = int(tiles_dev.shape[0]) if tiles_dev.ndim == 2 else -1
     contig(tiles_dev, np.int32, (max(n_tiles, 0), 4), "attention tiles")
+    ptr_ = getattr(getattr(tiles_dev, "data", None), "ptr", 0)
+    if isinstance(ptr_, int) and ptr_ % 16:
+        raise ValueError("attention_varlen: tiles must be 16-byte aligned (the kernel reads int4)")
     QD = H * hd
     if out_act is not None:
         contig(out_act.q, np.int8, (T, QD), "attention out q")
