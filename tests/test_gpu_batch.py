@@ -6,7 +6,7 @@
 - A CUDA-graph replay of a step equals the eager run of the same step bit for bit, and a
   prefix copied between slots gives the logits of computing it in place bit for bit.
 - Greedy through the scheduler (any mix of sequences per step) equals each request alone
-  through the single-stream session by the margin rule (compare up to the first alone step
+  through the single-stream GPU session by the margin rule (compare up to the first alone step
   with margin < 0.5), and two runs of the same batch are identical.
 """
 from __future__ import annotations
@@ -134,12 +134,11 @@ def test_scheduler_greedy_equals_alone(models, name):
     assert mixed > 0
     compared = 0
     for p, r in zip(prompts, res):
-        alone = generate(ref, p, len(r.tokens))      # margins: the reference computes them
-        solo = generate(gpu, p, len(r.tokens))
-        for i, (a, g, s) in enumerate(zip(alone.tokens, r.tokens, solo.tokens)):
+        alone = generate(gpu, p, len(r.tokens), need_logits=True)   # the single-stream session, with margins
+        for i, (a, g) in enumerate(zip(alone.tokens, r.tokens)):
             if alone.margins[i] < 0.5:
                 break
-            assert g == a == s, (name, i, alone.margins[i])
+            assert g == a, (name, i, alone.margins[i])
             compared += 1
     print(name, "tokens compared", compared)
     res2, _ = _sched_run(gpu.batch(5, 512), prompts, 16, 96)
