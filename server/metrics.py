@@ -44,13 +44,11 @@ class Metrics:
             "sent in full, 499 when the client left before it was complete, the error code for "
             "a stream that ended with an error event, 500 for a crash",
             ["endpoint", "status"], registry=r)
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine",
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a KV slot",
                                  registry=r)
         self.requests_processing = Gauge(p + "requests_processing",
                                          "Requests the engine is running now (in KV slots)",
                                          registry=r)
-        self.sequences_waiting = Gauge(p + "sequences_waiting",
-                                       "Generations waiting for a KV slot", registry=r)
         self.kv_cache_usage = Gauge(p + "kv_cache_usage_ratio",
                                     "Share of the KV cache's positions held by running sequences",
                                     registry=r)

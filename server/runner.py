@@ -147,18 +147,14 @@ def load_engine(settings: Settings) -> Engine:
     tokenizer = load_tokenizer(path)
     n_ctx_train = int(model.config.n_ctx_train)
     n_ctx = settings.ctx_size or n_ctx_train
-    if getattr(model, "device", "cpu") != "cpu":
-        # compile/load the kernels now (while /health says 503), for both the prefill and the
-        # decode (session + graph) paths, so the first request's timings are real
-        from engine.generate import warm_up
-
-        warm_up(model, min(64, n_ctx))
     if n_ctx_train and n_ctx > n_ctx_train:
         log.warning("ctx-size %d is over the model's training context %d", n_ctx, n_ctx_train)
     engine = Engine(model=model, tokenizer=tokenizer, n_ctx=n_ctx,
                     model_id=os.path.basename(path), n_ctx_train=n_ctx_train)
     attach_batch(engine, settings)
     if getattr(model, "device", "cpu") != "cpu":
+        # the kernels and graphs every request runs, now (while /health says 503), so the first
+        # request's timings are real
         from engine.gpu.prefill_graph import GRAPH_MAX_TOKENS
 
         warm_up_batch(engine.batch, min(GRAPH_MAX_TOKENS, settings.max_batch_tokens))
@@ -339,7 +335,6 @@ class Runner:
     def _observe(self, sched, stats) -> None:
         m = self.metrics
         m.requests_processing.set(len(sched.running))
-        m.sequences_waiting.set(self._queue.qsize() + len(sched.waiting))
         m.queue_depth.set(self._queue.qsize() + len(sched.waiting))
         held = sum(s.n_fed for s in sched.running)
         b = sched.backend

@@ -97,7 +97,7 @@ class StepBuffers:
         self.logits = cp.zeros((S, cfg.vocab_size), dtype=cp.float32)
         self.out = cp.zeros(2 * S, dtype=cp.int32)          # ids [S], then best (float32 bits)
         self.graph = None
-        self.tables = None
+        self.tables = None         # the RoPE tables the graph reads (held: the model may replace them)
 
     def enqueue(self, batch: "GPUBatch") -> None:
         from engine.gpu.ops.mmq import mmq
@@ -138,10 +138,6 @@ class GPUBatch:
         self.graph_steps = 0
         self.eager_steps = 0
 
-    @property
-    def kv_bytes(self) -> int:
-        return self.cache.nbytes
-
     # ------------------------------------------------------------------ the contract
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Positions 0..n-1 of slot src into slot dst (every layer and KV head)."""
@@ -177,7 +173,6 @@ class GPUBatch:
     # ------------------------------------------------------------------ internals
     def _plan(self, entries):
         """The step's int32 inputs (StepBuffers.meta layout), T, and the wanted entries."""
-        cfg = self.model.config
         n = sum(len(e.ids) for e in entries)
         if n == 0:
             raise ValueError("batch: a step needs at least one token")
@@ -195,13 +190,7 @@ class GPUBatch:
             if not 0 <= e.slot < self.n_slots or e.slot in used:
                 raise ValueError(f"batch: slot {e.slot} is out of range or twice in one step")
             used.add(e.slot)
-            if k == 0 or e.start < 0 or e.start + k > self.slot_capacity:
-                raise GGUFError(f"{self.model.file.path}: {e.start + k} tokens exceed the KV slot "
-                                f"size {self.slot_capacity}")
-            a = np.asarray(e.ids, dtype=np.int64)
-            if a.min() < 0 or a.max() >= cfg.vocab_size:
-                raise GGUFError(f"{self.model.file.path}: token id {int(a[(a < 0) | (a >= cfg.vocab_size)][0])} "
-                                f"is outside the vocabulary (0..{cfg.vocab_size - 1})")
+            a = self.model.file.check_ids(e.ids, e.start, self.slot_capacity)
             base = e.slot * self.slot_capacity
             ids[r:r + k] = a
             pos[r:r + k] = np.arange(e.start, e.start + k)

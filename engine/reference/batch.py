@@ -32,11 +32,6 @@ class ReferenceBatch:
         self.slot_capacity = int(slot_capacity)
         self._caches: list[KVCache | None] = [None] * self.n_slots
 
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of KV held now (the slots grow on demand)."""
-        return sum(c.k.nbytes + c.v.nbytes for c in self._caches if c is not None)
-
     def _cache(self, slot: int, need: int) -> KVCache:
         """Slot `slot`'s cache, grown to hold `need` positions (contents kept)."""
         if need > self.slot_capacity:

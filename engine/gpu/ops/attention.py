@@ -36,32 +36,37 @@ def attention_smem_bytes(head_dim: int) -> int:
     return 5 * 64 * head_dim * 2
 
 
+def _check_io(op: str, qh, kc, vc, out_act, out_f32, varlen: bool):
+    """Shapes of an attention_prefill.cu launch; (H, n, hd, KVH, maxT, kernel name, O, Oq, Ods)."""
+    H, n, hd = map(int, qh.shape)
+    KVH, maxT = int(kc.shape[0]), int(kc.shape[1])
+    if hd not in ATT_HEAD_DIMS:
+        raise ValueError(f"{op}: head size {hd} not instantiated ({ATT_HEAD_DIMS})")
+    if H % KVH:
+        raise ValueError(f"{op}: {H} heads over {KVH} KV heads")
+    if (out_act is None) == (out_f32 is None):
+        raise ValueError(f"{op}: give exactly one of out_act, out_f32")
+    contig(qh, np.float16, (H, n, hd), "attention q")
+    contig(kc, np.float16, (KVH, maxT, hd), "attention kc")
+    contig(vc, np.float16, (KVH, maxT, hd), "attention vc")
+    QD = H * hd
+    name = registry.attn_prefill_varlen_name if varlen else registry.attn_prefill_name
+    if out_act is not None:
+        contig(out_act.q, np.int8, (n, QD), "attention out q")
+        contig(out_act.ds, np.float32, (n, QD // 32, 2), "attention out ds")
+        return H, n, hd, KVH, maxT, name(hd, True), null(), out_act.q, out_act.ds
+    contig(out_f32, np.float32, (n, QD), "attention out")
+    return H, n, hd, KVH, maxT, name(hd, False), out_f32, null(), null()
+
+
 def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_dev=None) -> None:
     """Causal GQA attention of the ubatch queries qh f16 [H, n, hd] (rope.cu's output) over the
     layer's cache kc/vc f16 [KVH, maxT, hd] (keys 0..start+n-1). Output: out_act (Q8Act
     [n, H*hd], the attn_output GEMM's input) or out_f32 (float32 [n, H*hd]); exactly one.
     start_dev (int32 [1] on the device, or None) is added to start in the kernel."""
-    H, n, hd = map(int, qh.shape)
-    KVH, maxT = int(kc.shape[0]), int(kc.shape[1])
-    if hd not in ATT_HEAD_DIMS:
-        raise ValueError(f"attention_prefill: head size {hd} not instantiated ({ATT_HEAD_DIMS})")
-    if H % KVH:
-        raise ValueError(f"attention_prefill: {H} heads over {KVH} KV heads")
-    if (out_act is None) == (out_f32 is None):
-        raise ValueError("attention_prefill: give exactly one of out_act, out_f32")
-    contig(qh, np.float16, (H, n, hd), "attention q")
-    contig(kc, np.float16, (KVH, maxT, hd), "attention kc")
-    contig(vc, np.float16, (KVH, maxT, hd), "attention vc")
+    H, n, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, False)
     if start + n > maxT:
         raise ValueError(f"attention_prefill: tokens {start}..{start + n} exceed the cache ({maxT})")
-    QD = H * hd
-    if out_act is not None:
-        contig(out_act.q, np.int8, (n, QD), "attention out q")
-        contig(out_act.ds, np.float32, (n, QD // 32, 2), "attention out ds")
-        name, o, oq, ods = registry.attn_prefill_name(hd, True), null(), out_act.q, out_act.ds
-    else:
-        contig(out_f32, np.float32, (n, QD), "attention out")
-        name, o, oq, ods = registry.attn_prefill_name(hd, False), out_f32, null(), null()
     if n == 0:
         return
     smem = attention_smem_bytes(hd)
@@ -113,30 +118,12 @@ def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None) -> None:
     tile, zero tiles skipped; their ranges are the caller's check). One block per tile and
     head. Output rows in batch order: out_act (Q8Act [T, H*hd]) or out_f32 (float32
     [T, H*hd]); exactly one."""
-    H, T, hd = map(int, qh.shape)
-    KVH, maxT = int(kc.shape[0]), int(kc.shape[1])
-    if hd not in ATT_HEAD_DIMS:
-        raise ValueError(f"attention_varlen: head size {hd} not instantiated ({ATT_HEAD_DIMS})")
-    if H % KVH:
-        raise ValueError(f"attention_varlen: {H} heads over {KVH} KV heads")
-    if (out_act is None) == (out_f32 is None):
-        raise ValueError("attention_varlen: give exactly one of out_act, out_f32")
-    contig(qh, np.float16, (H, T, hd), "attention q")
-    contig(kc, np.float16, (KVH, maxT, hd), "attention kc")
-    contig(vc, np.float16, (KVH, maxT, hd), "attention vc")
+    H, T, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_varlen", qh, kc, vc, out_act, out_f32, True)
     n_tiles = int(tiles_dev.shape[0]) if tiles_dev.ndim == 2 else -1
     contig(tiles_dev, np.int32, (max(n_tiles, 0), 4), "attention tiles")
     ptr_ = getattr(getattr(tiles_dev, "data", None), "ptr", 0)
     if isinstance(ptr_, int) and ptr_ % 16:
         raise ValueError("attention_varlen: tiles must be 16-byte aligned (the kernel reads int4)")
-    QD = H * hd
-    if out_act is not None:
-        contig(out_act.q, np.int8, (T, QD), "attention out q")
-        contig(out_act.ds, np.float32, (T, QD // 32, 2), "attention out ds")
-        name, o, oq, ods = registry.attn_prefill_varlen_name(hd, True), null(), out_act.q, out_act.ds
-    else:
-        contig(out_f32, np.float32, (T, QD), "attention out")
-        name, o, oq, ods = registry.attn_prefill_varlen_name(hd, False), out_f32, null(), null()
     if n_tiles == 0 or T == 0:
         return
     smem = attention_smem_bytes(hd)
