@@ -298,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-r", type=int, default=5, help="repetitions")
     s.add_argument("--json", action="store_true", help="JSON rows")
     s.add_argument("--breakdown", action="store_true", help="per-op time breakdown")
+    s.add_argument("--batched", default=None, metavar="NPL",
+                   help="llama-batched-bench rows instead: NPL sequences at once through the "
+                        "scheduler, comma-separated (with --npp, --ntg)")
+    s.add_argument("--npp", type=int, default=256, help="--batched: prompt tokens per sequence")
+    s.add_argument("--ntg", type=int, default=128, help="--batched: generated tokens per sequence")
+    s.add_argument("--max-batch-tokens", type=int, default=512, help="--batched: tokens per step")
+    s.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                   help="--batched: plan the next step while the device runs this one")
     s = verb("slice", cmd_slice, "cut a small real-weight GGUF from a big one")
     s.add_argument("--layers", required=True, help="layers kept, comma-separated, in order")
     s.add_argument("--vocab", type=int, required=True, help="rows of the vocabulary kept")

@@ -13,10 +13,24 @@ sequence in fixed slots; a sequence holds one slot from admission to its end.
 
 BatchBackend (engine.reference.batch.ReferenceBatch, engine.gpu.batch.GPUBatch):
     n_slots, slot_capacity           slots and positions per slot
-    run(entries) -> list             entry: .slot, .ids (tokens to append at positions
-                                     .start..), .want (None | "argmax" | "logits"); per entry
-                                     None, (id, top logit, margin) or float32 [vocab] logits
+    launch(entries) -> handle        enqueue one forward (the GPU returns at once); entry: .slot,
+                                     .ids (tokens to append at positions .start..), .want (None
+                                     | "argmax" | "logits"). ids == [FOLLOW]: the token the
+                                     backend chose by argmax for that slot in the step launched
+                                     before (the host may not have it yet)
+    collect(handle) -> list          wait for it; per entry None, (id, top logit, margin) or
+                                     float32 [vocab] logits
+    run(entries) -> list             collect(launch(entries))
     copy_prefix(src, dst, n)         positions 0..n-1 of slot src into slot dst
+    last_device_seconds (optional)   the device time of the latest collected step
+
+Overlap (as SGLang's overlap scheduler): while every running sequence is greedy, step() plans
+and launches step N+1 before it collects step N, so the host's work (planning, delivery,
+callbacks) runs while the device computes. A decoder whose token is still in flight is fed by
+FOLLOW; one that turns out to have ended (end-of-generation, a stop string, cancelled) has its
+extra token computed and dropped, its slot released as usual (the K/V written past its cached
+tokens is never claimed). A sequence that needs logits on the host (a sampler, logprobs) makes
+the scheduler collect before it plans, as without overlap.
 
 Prefix reuse (llama-server's slot prompt cache, plus copies between slots): every slot
 remembers the tokens whose K/V it holds. A new sequence takes the free slot whose tokens share
@@ -45,6 +59,9 @@ log = logging.getLogger("engine.scheduler")
 MIN_COPY = 16             # shortest prefix worth copying from another slot
 
 
+FOLLOW = -1               # BatchEntry.ids == [FOLLOW]: the slot's token from the step before
+
+
 @dataclass
 class BatchEntry:
     slot: int
@@ -52,8 +69,12 @@ class BatchEntry:
     start: int
     want: str | None = None        # None | "argmax" | "logits"
 
+    @property
+    def follows(self) -> bool:
+        return len(self.ids) == 1 and self.ids[0] == FOLLOW
 
-@dataclass
+
+@dataclass(eq=False)
 class Sequence:
     """One generation. on_token(Step) -> bool (False: stop here, the token stays emitted);
     on_finish(Generation) when it ends (result.stop_reason: "eog" | "length" | "stop" |
@@ -71,6 +92,8 @@ class Sequence:
     cached_tokens: int = 0        # prompt tokens reused from the prefix cache
     n_fed: int = 0                # tokens of prompt (+ generated) whose K/V are in the slot
     next_token: int | None = None  # last emitted token, fed by the next step
+    pending: int = 0              # launched steps that will choose a token for it
+    finished: bool = False
     result: Generation = field(default=None)  # type: ignore[assignment]
     t_admit: float = 0.0
     t_first: float = 0.0
@@ -128,18 +151,29 @@ class StepStats:
     tokens: int = 0
     sequences: int = 0
     decode: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0                 # wall: plan, forward, delivery
+    device_seconds: float | None = None  # the forward's kernels (backend.last_device_seconds)
+
+
+@dataclass
+class _Launched:
+    entries: list[BatchEntry]
+    owners: list[Sequence]
+    n_decode: int
+    handle: object
 
 
 class Scheduler:
-    def __init__(self, backend, max_batch_tokens: int = 512):
+    def __init__(self, backend, max_batch_tokens: int = 512, overlap: bool = True):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.backend = backend
         self.max_batch_tokens = int(max_batch_tokens)
+        self.overlap = bool(overlap)
         self.slots = SlotTable(backend.n_slots)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []      # admission order
+        self.inflight: _Launched | None = None  # launched, not yet collected
         self.last = StepStats()
         self.prefix_hits = 0
         self.prefix_tokens = 0
@@ -147,7 +181,7 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     @property
     def free_slots(self) -> int:
@@ -168,31 +202,83 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepStats:
-        """Admit what fits, run one forward, hand every sequence its token."""
+        """Admit what fits, launch one forward, and hand every sequence of the step before
+        (overlap) or of this one its token. The StepStats describe the step collected."""
         t0 = time.perf_counter()
         self._reap_cancelled()
         self._admit()
+        if self.inflight is not None and not self._may_follow():
+            self._collect(self._take_inflight())        # host-chosen tokens: deliver first
         entries, owners, n_dec = self._plan()
-        if not entries:
+        prev = self._take_inflight()
+        if entries:
+            try:
+                handle = self.backend.launch(entries)
+            except Exception as e:  # noqa: BLE001 - every sequence of the step ends with the error
+                self._fail(owners, e)
+                if prev is not None:
+                    self._collect(prev)
+                raise
+            for e, s in zip(entries, owners):
+                s.n_fed += len(e.ids)
+                if e.want is not None:
+                    s.pending += 1
+                if not s.prefilling and not e.follows:
+                    s.next_token = None
+            self.inflight = _Launched(entries, owners, n_dec, handle)
+        done = prev
+        if not self.overlap and self.inflight is not None:
+            if prev is not None:                         # (only after a change of mode)
+                self._collect(prev)
+            done = self._take_inflight()
+        if done is None:
             self.last = StepStats()
             return self.last
+        self._collect(done)
+        self.last = StepStats(sum(len(e.ids) for e in done.entries), len(done.entries), done.n_decode,
+                              time.perf_counter() - t0, getattr(self.backend, "last_device_seconds", None))
+        return self.last
+
+    def _take_inflight(self) -> _Launched | None:
+        x, self.inflight = self.inflight, None
+        return x
+
+    def _may_follow(self) -> bool:
+        """Whether the next step may be planned before the step in flight is delivered: every
+        running sequence takes the backend's argmax (no host-side choice)."""
+        return self.overlap and all(self._want(s) == "argmax" for s in self.running)
+
+    def _collect(self, step: _Launched) -> None:
+        """Wait for a launched step and deliver its tokens."""
         try:
-            outs = self.backend.run(entries)
-        except Exception as e:  # noqa: BLE001 - every sequence of the step ends with the error
-            for s in {id(s): s for s in owners}.values():
+            outs = self.backend.collect(step.handle)
+        except Exception as e:  # noqa: BLE001 - every sequence of the step ends with the error,
+            self._fail(step.owners, e)          # and of the step launched after it (same device)
+            late = self._take_inflight()
+            if late is not None:
+                self._fail(late.owners, e)
+                try:
+                    self.backend.collect(late.handle)
+                except Exception:  # noqa: BLE001 - its error is the one being raised
+                    pass
+            raise
+        for e, s, out in zip(step.entries, step.owners, outs):
+            if e.want is not None:
+                s.pending -= 1
+            if s.finished:                              # ended while this step was in flight
+                continue
+            # a followed token is the one delivered for s just before this step
+            self.slots.tokens[s.slot].extend([s.result.tokens[-1]] if e.follows else e.ids)
+            if out is not None:
+                self._deliver(s, out)
+            elif s.max_tokens <= 0 and not s.prefilling:
+                self._finish(s, "length")               # prompt only
+
+    def _fail(self, owners, e: Exception) -> None:
+        for s in {id(s): s for s in owners}.values():
+            if not s.finished:
                 s.result.error = f"{type(e).__name__}: {e}"
                 self._finish(s, "error")
-            raise
-        for e, s, out in zip(entries, owners, outs):
-            s.n_fed += len(e.ids)
-            self.slots.tokens[s.slot].extend(e.ids)
-            if out is not None and s in self.running:
-                self._deliver(s, out)
-            elif s.max_tokens <= 0 and not s.prefilling and s in self.running:
-                self._finish(s, "length")               # prompt only
-        self.last = StepStats(sum(len(e.ids) for e in entries), len(entries), n_dec,
-                              time.perf_counter() - t0)
-        return self.last
 
     def _reap_cancelled(self) -> None:
         for s in list(self.waiting):
@@ -225,7 +311,13 @@ class Scheduler:
         many of them are decoders."""
         entries, owners = [], []
         for s in self.running:                          # every decoder's next token
-            if not s.prefilling and s.next_token is not None:
+            if s.prefilling:
+                continue
+            if s.pending:                               # its token is in flight: follow it
+                if s.pending == 1 and len(s.result.tokens) + 1 < s.max_tokens:
+                    entries.append(BatchEntry(s.slot, [FOLLOW], s.n_fed, "argmax"))
+                    owners.append(s)
+            elif s.next_token is not None:
                 entries.append(BatchEntry(s.slot, [s.next_token], s.n_fed, self._want(s)))
                 owners.append(s)
         n_dec = len(entries)
@@ -271,10 +363,11 @@ class Scheduler:
             self._finish(s, "stop")
         elif len(res.tokens) >= s.max_tokens:
             self._finish(s, "length")
-        else:
+        elif not s.pending:                             # (else a step in flight follows it)
             s.next_token = token
 
     def _finish(self, s: Sequence, reason: str) -> None:
+        s.finished = True
         if s in self.running:
             self.running.remove(s)
             # the slot keeps the tokens whose K/V it holds: the prompt and all but the last

@@ -141,7 +141,7 @@ t = json.load(open(sys.argv[1]))["records"][0]["ttfts_s"]
 print(f"prefix probe: TTFT first {t[0]:.3f} s, second {t[1]:.3f} s, ratio {t[1] / t[0]:.3f} (gate <= 0.20)")
 PY
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
-      | grep -E "^gguf_prefill_(batch_(tokens|sequences)_(sum|count)|prefix_cache|time_to_first_token_seconds_(sum|count)|generated_tokens_total)" 
+      | grep -E "^gguf_prefill_(batch_(tokens|sequences)_(sum|count)|step_seconds_(sum|count)|prefix_cache|time_to_first_token_seconds_(sum|count)|generated_tokens_total)" 
   kill -TERM $pid; wait $pid
   grep -E "Traceback|ERROR" "$OUT/serve.log" | head -5
   if [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] || wait_llama; then
@@ -149,6 +149,20 @@ PY
         -npp 256 -ntg 128 -npl 1,8,32 > "$OUT/llama_batched.txt" 2>&1 || rc=1
     grep -E "^\|" "$OUT/llama_batched.txt" | tail -5
   fi
+  return $rc
+}
+
+# Many users without HTTP (issue 13): `bench --batched` (llama-batched-bench's rows through the
+# scheduler: npl sequences of 256 prompt tokens, 128 generated each), with a per-op breakdown of
+# the decode-only step at each npl.
+step_batched() {
+  local m=/tmp/l7b.gguf
+  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  timeout 300 python3 -m engine bench --model "$m" --device gpu --batched "${BATCHED_NPL:-1,8,32}" --npp 256 \
+      --ntg 128 -r "${BATCHED_REPS:-3}" ${BATCHED_ARGS:---breakdown} > "$OUT/batched.txt" 2> "$OUT/batched.err"
+  local rc=$?
+  tr '\r' '\n' < "$OUT/batched.err" | grep -v '^$' | tail -4
+  cat "$OUT/batched.txt"
   return $rc
 }
 

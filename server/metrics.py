@@ -10,6 +10,8 @@ PREFIX = "gguf_prefill_"
 
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0)
+_STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.03,
+                 0.05, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _TPS_BUCKETS = (10, 30, 100, 300, 1000, 3000, 10000, 30000, 100000, 300000, 1000000)
 
@@ -56,6 +58,11 @@ class Metrics:
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_sequences = Histogram(p + "batch_sequences", "Sequences per engine step",
                                          buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_seconds = Histogram(
+            p + "step_seconds",
+            "Engine steps: part=wall (plan, forward, delivery), device (the forward's kernels), "
+            "interval (between the ends of consecutive busy steps: the worker loop's period)",
+            ["part"], buckets=_STEP_BUCKETS, registry=r)
         self.prefix_cache_hits = Counter(p + "prefix_cache_hits",
                                          "Requests that reused cached prompt tokens", registry=r)
         self.prefix_cache_tokens = Counter(p + "prefix_cache_tokens",

@@ -216,6 +216,7 @@ class Runner:
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
         self._stop = threading.Event()
         self.scheduler = None      # engine.scheduler.Scheduler, made by the worker thread
+        self._t_step: float | None = None    # when the latest step was observed (busy runs only)
         self._thread = threading.Thread(target=self._main, name="engine-worker", daemon=True)
         if engine is not None:
             metrics.model_loaded.set(1)
@@ -343,6 +344,15 @@ class Runner:
         if stats is not None and stats.tokens:
             m.batch_tokens.observe(stats.tokens)
             m.batch_sequences.observe(stats.sequences)
+            m.step_seconds.labels("wall").observe(stats.seconds)
+            if stats.device_seconds is not None:
+                m.step_seconds.labels("device").observe(stats.device_seconds)
+            now = time.perf_counter()
+            if self._t_step is not None:
+                m.step_seconds.labels("interval").observe(now - self._t_step)
+            self._t_step = now
+        else:
+            self._t_step = None
 
     def slots(self) -> dict:
         """The /slots view: every KV slot, what it runs and what it holds."""

@@ -163,11 +163,17 @@ def test_slot_table_prefers_longest_then_lru():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
 
 
-def test_backend_error_ends_the_step_sequences(model):
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_backend_error_ends_the_step_sequences(model, where):
     class Broken:
         n_slots, slot_capacity = 2, 64
 
-        def run(self, entries):
+        def launch(self, entries):
+            if where == "launch":
+                raise RuntimeError("device lost")
+            return entries
+
+        def collect(self, handle):
             raise RuntimeError("device lost")
 
         def copy_prefix(self, *a):
@@ -177,6 +183,81 @@ def test_backend_error_ends_the_step_sequences(model):
     s = Sequence([1, 2], 3, on_token=lambda st: True, on_finish=lambda r: None)
     sched.add(s)
     with pytest.raises(RuntimeError):
-        sched.step()
+        while sched.busy:
+            sched.step()
     assert s.result.stop_reason == "error" and "device lost" in s.result.error
     assert not sched.busy and sched.slots.n_free == 2
+
+
+class Recording:
+    """A backend wrapper that records every launched step and how many were in flight."""
+
+    def __init__(self, inner):
+        self.inner, self.steps, self.open, self.most_open = inner, [], 0, 0
+        self.n_slots, self.slot_capacity = inner.n_slots, inner.slot_capacity
+
+    def launch(self, entries):
+        self.steps.append([(e.slot, list(e.ids), e.start, e.want) for e in entries])
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        return self.inner.launch(entries)
+
+    def collect(self, handle):
+        self.open -= 1
+        return self.inner.collect(handle)
+
+    def copy_prefix(self, *a):
+        self.inner.copy_prefix(*a)
+
+
+def _tokens_by_mode(model, prompts, max_tokens, overlap, stop_after=None, eog=frozenset(), **kw):
+    sink, seqs = {}, []
+    rec = Recording(model.batch(3, 128))
+    sched = Scheduler(rec, max_batch_tokens=24, overlap=overlap)
+    for i, p in enumerate(prompts):
+        s = _seq(p, max_tokens + i % 3, sink, eog_ids=eog, **kw)
+        if stop_after is not None:                     # a stop string after k tokens
+            toks = sink[id(p)]
+            s.on_token = lambda st, toks=toks: toks.append(st.token) or len(toks) < stop_after
+        sched.add(s)
+        seqs.append(s)
+    _run(sched)
+    return [sink[id(p)] for p in prompts], [s.result for s in seqs], rec
+
+
+def test_overlap_gives_the_tokens_of_collect_first(model):
+    """Overlapped steps (FOLLOW tokens, two steps in flight) emit exactly the tokens of the
+    one-step-at-a-time scheduler: same slots, same prefix cache, same stop reasons."""
+    prompts = _prompts(model, 7, seed=4)
+    a, ra, rec_a = _tokens_by_mode(model, prompts, 9, overlap=False)
+    b, rb, rec_b = _tokens_by_mode(model, prompts, 9, overlap=True)
+    assert a == b
+    assert [r.stop_reason for r in ra] == [r.stop_reason for r in rb] == ["length"] * 7
+    assert [len(t) for t in b] == [9 + i % 3 for i in range(7)]
+    assert rec_a.most_open == 1 and rec_b.most_open == 2
+    assert any(ids == [-1] for step in rec_b.steps for _, ids, _, _ in step)
+
+
+def test_overlap_drops_tokens_past_a_stop_or_eog(model):
+    """A sequence that stops (stop string, end-of-generation) while its next step is in flight
+    emits nothing more; its slot goes back with only the tokens it fed."""
+    prompts = _prompts(model, 5, seed=5)
+    a, ra, _ = _tokens_by_mode(model, prompts, 12, overlap=False, stop_after=4)
+    b, rb, _ = _tokens_by_mode(model, prompts, 12, overlap=True, stop_after=4)
+    assert a == b and all(len(t) == 4 for t in b)
+    assert {r.stop_reason for r in rb} == {"stop"}
+    eog = frozenset([b[0][2]])                  # the third token of the first prompt ends it
+    a, ra, _ = _tokens_by_mode(model, prompts, 12, overlap=False, eog=eog)
+    b, rb, _ = _tokens_by_mode(model, prompts, 12, overlap=True, eog=eog)
+    assert a == b and len(b[0]) == 2 and rb[0].stop_reason == "eog"
+    assert [r.stop_reason for r in ra] == [r.stop_reason for r in rb]
+
+
+def test_overlap_waits_for_host_choices(model):
+    """A sequence that needs logits on the host (a sampler) is never followed: every step is
+    collected before the next is planned while it runs, and the tokens equal no-overlap."""
+    prompts = _prompts(model, 4, seed=6)
+    a, _, _ = _tokens_by_mode(model, prompts, 6, overlap=False, need_logits=True)
+    b, _, rec = _tokens_by_mode(model, prompts, 6, overlap=True, need_logits=True)
+    assert a == b and rec.most_open == 1
+    assert not any(ids == [-1] for step in rec.steps for _, ids, _, _ in step)

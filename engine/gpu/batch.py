@@ -16,10 +16,19 @@ pad rows, never attended, never read by the head), else T = N:
     argmax_rows(logits) -> ids, best [S]                 one 8*S-byte copy back per step
 
 The per-step inputs travel in one int32 buffer (one host-to-device copy), the results in one
-(one copy back, the step's only synchronization). Steps of T <= GRAPH_MAX_TOKENS replay a CUDA
-graph per T, recorded on first use after one eager run; longer steps (prompt chunks over
-GRAPH_MAX_TOKENS) run eagerly. Logits of entries that want them (a sampler, logprobs) are
-copied to the host row by row.
+(one copy back). Steps of T <= GRAPH_MAX_TOKENS replay a CUDA graph per T, recorded on first
+use after one eager run; longer steps (prompt chunks over GRAPH_MAX_TOKENS) run eagerly. Logits
+of entries that want them (a sampler, logprobs) are gathered on the device at launch and copied
+to the host row by row at collect.
+
+Overlap (engine/scheduler.py): launch() enqueues a step and returns at once; collect() waits for
+its results. Both copies go through pinned host buffers (a ring of IN_FLIGHT), so the host plans
+and launches step N+1 while the device still runs step N. A decoder's entry may then say
+ids == [FOLLOW]: its token is the one step N chose for its slot, which the host has not seen:
+
+    record_last(out ids, sel_slot) -> last [n_slots]     at the end of every step (graph)
+    resolve_follow(ids, last)                           at the start of every step (graph):
+                                                        ids[t] = -(slot + 1) reads last[slot]
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from engine.gpu.kv_cache import GPUKVCache
 from engine.gpu.prefill_graph import GRAPH_MAX_TOKENS, UbatchBuffers
 
 PAD_ROWS = GRAPH_MAX_TOKENS         # cache rows for padding tokens (at most T - 1 of them)
+IN_FLIGHT = 2                       # steps launched and not yet collected, at most
 FIT_FRACTION = 0.85                 # of free device memory the cache may take (fit_memory)
 FIT_RESERVE = 2 << 30               # bytes left for work buffers, graphs, the allocator
 SLOT_ALIGN = 256
@@ -85,12 +95,13 @@ class StepBuffers:
                   self.bufs.a_q.ds, self.bufs.a_f.q, self.bufs.a_f.ds):
             a.fill(0)                  # padding rows stay finite
         # inputs: tiles [n_tiles, 4] first (the kernel reads int4: 16-byte aligned), then
-        # ids [T], pos [T], rows [T], sel [S]
+        # ids [T], pos [T], rows [T], sel [S], sel_slot [S]
         nt4 = 4 * self.n_tiles
-        self.meta = cp.zeros(nt4 + 3 * T + S, dtype=cp.int32)
+        self.meta = cp.zeros(nt4 + 3 * T + 2 * S, dtype=cp.int32)
         self.tiles = self.meta[:nt4].reshape(self.n_tiles, 4)
         self.ids, self.pos = self.meta[nt4:nt4 + T], self.meta[nt4 + T:nt4 + 2 * T]
-        self.rows, self.sel = self.meta[nt4 + 2 * T:nt4 + 3 * T], self.meta[nt4 + 3 * T:]
+        self.rows = self.meta[nt4 + 2 * T:nt4 + 3 * T]
+        self.sel, self.sel_slot = self.meta[nt4 + 3 * T:nt4 + 3 * T + S], self.meta[nt4 + 3 * T + S:]
         d = cfg.d_model
         self.head_x = cp.zeros((S, d), dtype=cp.float32)
         self.head_a = Q8Act(cp.zeros((S, d), dtype=cp.int8), cp.zeros((S, d // 32, 2), dtype=cp.float32))
@@ -103,11 +114,43 @@ class StepBuffers:
         from engine.gpu.ops.mmq import mmq
 
         m = batch.model
+        ops.argmax.resolve_follow(self.ids, batch.last_tokens)
         m.run_layers(self.bufs, self.ids, 0, batch.cache, varlen=(self.pos, self.rows, self.tiles))
-        ops.norm.gather_add_rows(self.bufs.x, self.bufs.y, self.sel, self.head_x)
-        ops.norm.add_rmsnorm_q8_1(self.head_x, None, m.output_norm, m.config.rms_eps, self.head_a)
-        mmq(m.output_w, self.head_a, out=self.logits)
-        ops.argmax.argmax_rows(self.logits, self.out[:self.S], self.out[self.S:].view(np.float32))
+        with m._span("head_norm"):
+            ops.norm.gather_add_rows(self.bufs.x, self.bufs.y, self.sel, self.head_x)
+            ops.norm.add_rmsnorm_q8_1(self.head_x, None, m.output_norm, m.config.rms_eps, self.head_a)
+        with m._span(f"gemm_output_{m.output_w.kind}"):
+            mmq(m.output_w, self.head_a, out=self.logits)
+        with m._span("argmax"):
+            ops.argmax.argmax_rows(self.logits, self.out[:self.S], self.out[self.S:].view(np.float32))
+            ops.argmax.record_last(self.out[:self.S], self.sel_slot, batch.last_tokens)
+
+
+class _Launched:
+    """A step launched and not yet collected: its ring slot, buffers, and what to hand back."""
+    __slots__ = ("ring", "sb", "wanted", "logits", "n_entries", "collected")
+
+    def __init__(self, ring, sb, wanted, logits, n_entries):
+        self.ring, self.sb, self.wanted, self.logits = ring, sb, wanted, logits
+        self.n_entries, self.collected = n_entries, False
+
+
+class _RingSlot:
+    """Pinned host buffers and events of one step in flight."""
+
+    def __init__(self, cp):
+        self.host_in = self.host_out = None
+        self.events = (cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event(disable_timing=True))
+        self.busy = False
+
+    def pinned(self, cp, which: str, n: int) -> np.ndarray:
+        """This slot's pinned int32 buffer `which` ("host_in" | "host_out") of at least n."""
+        a = getattr(self, which)
+        if a is None or a.size < n:
+            mem = cp.cuda.alloc_pinned_memory(max(n, 1024) * 4)
+            a = np.frombuffer(mem, dtype=np.int32, count=max(n, 1024))
+            setattr(self, which, a)
+        return a[:n]
 
 
 class GPUBatch:
@@ -137,6 +180,10 @@ class GPUBatch:
         self._steps: dict[int, StepBuffers] = {}
         self.graph_steps = 0
         self.eager_steps = 0
+        self.last_tokens = cp.zeros(self.n_slots, dtype=cp.int32)   # each slot's latest greedy token
+        self._ring = [_RingSlot(cp) for _ in range(IN_FLIGHT)]
+        self._next_ring = 0
+        self.last_device_seconds: float | None = None
 
     # ------------------------------------------------------------------ the contract
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
@@ -147,25 +194,67 @@ class GPUBatch:
         for buf in (self.cache.k, self.cache.v):
             buf[:, :, b:b + n] = buf[:, :, a:a + n]
 
-    def run(self, entries) -> list:
-        """One forward over the entries (module docstring); per entry None, (id, logit, nan)
-        for want == "argmax", or the float32 [vocab] logits (host) for want == "logits"."""
+    def run(self, entries, timer=None) -> list:
+        """One forward over the entries, waited for: collect(launch(entries, timer))."""
+        return self.collect(self.launch(entries, timer))
+
+    def launch(self, entries, timer=None) -> _Launched:
+        """Enqueue one forward over the entries (module docstring) and return at once.
+        timer (an engine.gpu.profiler.OpTimer): run eagerly with every launch timed."""
         cp = _cp()
+        ring = self._ring[self._next_ring]
+        if ring.busy:
+            raise RuntimeError(f"batch: {IN_FLIGHT} steps in flight already; collect one first")
         host, T, wanted = self._plan(entries)
         sb = self._buffers(T)
-        sb.meta[...] = cp.asarray(host)          # one host-to-device copy
-        if T <= GRAPH_MAX_TOKENS:
+        stream = cp.cuda.get_current_stream()
+        h_in = ring.pinned(cp, "host_in", host.size)
+        h_in[...] = host
+        sb.meta.data.copy_from_host_async(h_in.ctypes.data, host.nbytes, stream)
+        ring.events[0].record(stream)
+        if timer is not None:
+            self.model.profile(timer)
+            try:
+                sb.enqueue(self)
+            finally:
+                self.model.profile(None)
+        elif T <= GRAPH_MAX_TOKENS:
             self._replay(sb)
             self.graph_steps += 1
         else:
             sb.enqueue(self)
             self.eager_steps += 1
-        res = cp.asnumpy(sb.out)
-        best = res[sb.S:].view(np.float32)
-        out: list = [None] * len(entries)
-        for j, i in enumerate(wanted):
-            if entries[i].want == "logits":
-                out[i] = cp.asnumpy(sb.logits[j])
+        ring.events[1].record(stream)
+        rows = [j for j, i in enumerate(wanted) if entries[i].want == "logits"]
+        logits = sb.logits[np.array(rows, dtype=np.int64)] if rows else None   # a copy, in order
+        sb.out.get(stream=stream, out=ring.pinned(cp, "host_out", 2 * sb.S), blocking=False)
+        ring.events[2].record(stream)
+        ring.busy = True
+        self._next_ring = (self._next_ring + 1) % IN_FLIGHT
+        return _Launched(ring, sb, [(i, entries[i].want) for i in wanted], logits, len(entries))
+
+    def collect(self, h: _Launched) -> list:
+        """Wait for a launched step; per entry None, (id, logit, nan) for want == "argmax", or
+        the float32 [vocab] logits (host) for want == "logits". last_device_seconds: CUDA
+        events around the step's kernels."""
+        cp = _cp()
+        if h.collected:
+            raise RuntimeError("batch: this step was collected already")
+        ring = h.ring
+        try:
+            ring.events[2].synchronize()
+            res = ring.host_out[:2 * h.sb.S].copy()
+            self.last_device_seconds = cp.cuda.get_elapsed_time(ring.events[0], ring.events[1]) / 1e3
+            host_logits = cp.asnumpy(h.logits) if h.logits is not None else None
+        finally:
+            ring.busy, h.collected = False, True
+        best = res[h.sb.S:].view(np.float32)
+        out: list = [None] * h.n_entries
+        k = 0
+        for j, (i, want) in enumerate(h.wanted):
+            if want == "logits":
+                out[i] = host_logits[k]
+                k += 1
             else:
                 out[i] = (int(res[j]), float(best[j]), float("nan"))
         return out
@@ -183,6 +272,7 @@ class GPUBatch:
         pos = np.zeros(T, np.int32)
         rows = self.pad_row0 + np.arange(T, dtype=np.int32)
         sel = np.zeros(S, np.int32)
+        sel_slot = np.full(S, -1, np.int32)
         seqs, wanted, r = [], [], 0
         used = set()
         for i, e in enumerate(entries):
@@ -190,18 +280,23 @@ class GPUBatch:
             if not 0 <= e.slot < self.n_slots or e.slot in used:
                 raise ValueError(f"batch: slot {e.slot} is out of range or twice in one step")
             used.add(e.slot)
-            a = self.model.file.check_ids(e.ids, e.start, self.slot_capacity)
+            if e.follows:                                   # resolve_follow reads last_tokens
+                if not 0 <= e.start < self.slot_capacity:
+                    raise ValueError(f"batch: position {e.start} is outside the slot ({self.slot_capacity})")
+                ids[r] = -(e.slot + 1)
+            else:
+                ids[r:r + k] = self.model.file.check_ids(e.ids, e.start, self.slot_capacity)
             base = e.slot * self.slot_capacity
-            ids[r:r + k] = a
             pos[r:r + k] = np.arange(e.start, e.start + k)
             rows[r:r + k] = base + pos[r:r + k]
             seqs.append((r, k, e.start, base))
             if e.want is not None:
                 sel[len(wanted)] = r + k - 1
+                sel_slot[len(wanted)] = e.slot
                 wanted.append(i)
             r += k
         tiles = ops.attention.varlen_tiles(seqs, n_tiles)
-        host = np.concatenate([tiles.reshape(-1), ids, pos, rows, sel]).astype(np.int32)
+        host = np.concatenate([tiles.reshape(-1), ids, pos, rows, sel, sel_slot]).astype(np.int32)
         return host, T, wanted
 
     def _buffers(self, T: int) -> StepBuffers:

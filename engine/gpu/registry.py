@@ -204,6 +204,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS),
     "argmax.cu": ("argmax_step", "argmax_rows"),
     "gather_rows.cu": ("gather_add_rows",),
+    "follow_tokens.cu": ("record_last", "resolve_follow"),
     # verification (tests/test_gpu_mmq.py, not on the forward path)
     "q6k_expand_check.cu": ("q6k_expand_check",),
 }

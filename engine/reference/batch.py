@@ -8,6 +8,9 @@ attention per sequence), then the output projection of the rows whose logits are
     b = ReferenceBatch(model, n_slots=4, slot_capacity=4096)
     outs = b.run([entry, ...])   # entry: .slot, .ids, .start, .want (None | "argmax" | "logits")
     b.copy_prefix(src, dst, n)   # positions 0..n-1 of slot src -> slot dst
+
+launch() computes the step at once (collect() hands its result back): the host is the device.
+An entry with ids == [FOLLOW] feeds the slot's latest argmax, kept per slot as the GPU does.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class ReferenceBatch:
         self.n_slots = int(n_slots)
         self.slot_capacity = int(slot_capacity)
         self._caches: list[KVCache | None] = [None] * self.n_slots
+        self._last = [0] * self.n_slots          # each slot's latest argmax (FOLLOW)
 
     def _cache(self, slot: int, need: int) -> KVCache:
         """Slot `slot`'s cache, grown to hold `need` positions (contents kept)."""
@@ -54,13 +58,19 @@ class ReferenceBatch:
         b.v[:, :n] = a.v[:, :n]
 
     def run(self, entries: Sequence) -> list:
+        return self.collect(self.launch(entries))
+
+    def collect(self, handle: list) -> list:
+        return handle
+
+    def launch(self, entries: Sequence) -> list:
         """One forward over the entries' tokens; per entry None, (id, top logit, margin) for
         want == "argmax", or the float32 [vocab] logits for want == "logits"."""
         parts = []
         for e in entries:
             c = self._cache(e.slot, e.start + len(e.ids))
             c.length = e.start
-            parts.append((e.ids, c))
+            parts.append(([self._last[e.slot]] if e.follows else e.ids, c))
         h = self.model.hidden_batch(parts)
         ends = np.cumsum([len(e.ids) for e in entries]) - 1
         wanted = [i for i, e in enumerate(entries) if e.want is not None]
@@ -69,4 +79,5 @@ class ReferenceBatch:
             logits = self.model.logits_of(h[ends[wanted]])
             for j, i in enumerate(wanted):
                 out[i] = top_two(logits[j]) if entries[i].want == "argmax" else logits[j]
+                self._last[entries[i].slot] = int(np.argmax(logits[j]))
         return out

@@ -296,6 +296,8 @@ def _will_use_gpu(device: str) -> bool:
 
 
 def main(args) -> int:
+    if getattr(args, "batched", None):
+        return main_batched(args)
     from engine.tools.fetch import resolve_model
     from engine.loader import load_model
 
@@ -340,4 +342,46 @@ def main(args) -> int:
         if rb:
             print(f"\nresident weights {rb / 2**30:.3f} GiB = {rb / info.size_bytes:.3f}x the file's "
                   f"tensor data ({info.size_str}); load {extra['load_seconds']:.2f} s")
+    return 0
+
+
+def main_batched(args) -> int:
+    """--batched NPL,...: engine.tools.bench_batched rows (and a decode-step breakdown)."""
+    from engine.loader import load_model
+    from engine.tools import bench_batched as bb
+    from engine.tools.fetch import resolve_model
+
+    npls = parse_int_list(args.batched, "--batched", minimum=1)
+    for name in ("npp", "ntg", "max_batch_tokens", "r"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    device = getattr(args, "device", "auto") or "auto"
+    if args.breakdown and not _will_use_gpu(device):
+        raise UsageError("--breakdown needs the GPU backend (CUDA events around every launch)"
+                         + ("" if device == "cpu" else "; no GPU found"))
+    path = resolve_model(args.model)
+    info = model_info(path)
+    model = load_model(path, device=device, progress=True)
+    rows, breakdowns = [], []
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.overlap]
+    for npl in npls:
+        for overlap in modes:
+            row = bb.bench_batched(model, npl, args.npp, args.ntg, args.r, args.max_batch_tokens,
+                                   overlap=overlap)
+            rows.append(row)
+            print(f"{row.test}: S_TG {row.s_tg:.1f} tok/s, S {row.s_total:.1f} tok/s", file=sys.stderr, flush=True)
+        if args.breakdown:
+            total, ops, counts = bb.breakdown_batched(model, npl, args.npp)
+            wall, _ = row.step_ms()
+            breakdowns.append(Breakdown(f"decode step x{npl} @ d{args.npp}", total, wall, ops, counts))
+    if args.json:
+        out = {"model_filename": info.path, "model_type": info.label, "backend": _backend(model),
+               "reps": args.r, "batched": [bb.batched_json(r) for r in rows],
+               "breakdown": [dict(asdict(b), categories=b.categories()) for b in breakdowns]}
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{info.label}, {_backend(model)}, max batch tokens {args.max_batch_tokens}, medians of {args.r}")
+        print(bb.format_batched(rows))
+        for b in breakdowns:
+            print(format_breakdown(b))
     return 0

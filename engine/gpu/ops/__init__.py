@@ -10,7 +10,8 @@ grid, kernel choice, launch on the current stream, no synchronization.
     attention   prefill flash attention (one sequence, or varlen: a      attention_prefill.cu, attention_decode.cu
                 batched step's sequences); decode split + combine
     activation  SwiGLU + q8_1 (prefill)                                  swiglu.cu
-    argmax      greedy ids of several logit rows (a batched step)        argmax.cu (argmax_rows)
+    argmax      greedy ids of several logit rows (a batched step), and   argmax.cu (argmax_rows),
+                the follow tokens of overlapped steps                    follow_tokens.cu
     checks      verification kernels                                     q6k_expand_check.cu
 
 The submodules are imported here so that `from engine.gpu import ops` then `ops.norm.add_rmsnorm_q8_1`
