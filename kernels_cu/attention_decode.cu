@@ -22,6 +22,17 @@
 // attn_combine: block = HD threads (one per output dim), grid = H; the q8_1 quantization is
 // decode_common.cuh q8_1_warp (one warp = one 32-element block, s = d * sum(q)).
 // Kernel names: attn_split_h{HD}_g{G}_{f16|f32}, attn_combine_h{HD}.
+//
+// Varlen (the decode rows of a batched step, engine/gpu/batch.py; the same split + combine):
+//   Q      f16 [H, T, HD], rope.cu's output: rotated and scaled by log2(e)/sqrt(HD), so the
+//          scores are in the exp2 domain (as attention_prefill.cu): scale 1, exp2 for exp
+//   kc, vc f16 [KVH, maxT, HD], the shared cache
+//   rows   int4 [R] = (t, L, kvbase, 0): query row t attends keys 0..L-1 at cache rows
+//          kvbase..; L <= 0: a padding row (a CUDA graph keeps a fixed grid), nothing written
+//   attn_split_varlen_h{HD}_g{G}: grid (S, KVH, R); partials part_o [R, H, S, HD], part_ml
+//          [R, H, S] as above, per row
+//   attn_combine_varlen_h{HD}: grid (H, R); row t of the outputs: Oq int8 / Ods float2 (q8_1,
+//          [T, H*HD]) and, if not null, O float32 [T, H*HD]; Oq may be null (float32 only).
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -47,10 +58,18 @@ __device__ __forceinline__ void kv_floats(const uint4& t, float (&v)[8]) {
     }
 }
 
+__device__ __forceinline__ float q_float(float v) { return v; }
+__device__ __forceinline__ float q_float(u16 v) { return f16_to_f32(v); }
+
+// e^x, or 2^x for scores in the exp2 domain (varlen)
+template <bool EXP2>
+__device__ __forceinline__ float att_exp(float x) { return EXP2 ? exp2f(x) : expf(x); }
+
 // Keys [j0, j1) of one split for the G query heads of KV head kvh -> part_o / part_ml.
-template <int HD, int G, typename KV>
+// q: head h's query at q + h * q_head_stride (float32, or f16 for varlen).
+template <int HD, int G, typename KV, typename QT, bool EXP2>
 __device__ __forceinline__ void attn_split_tiles(
-    const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+    const QT* __restrict__ q, long long q_head_stride, const KV* __restrict__ kc, const KV* __restrict__ vc,
     long long tok_stride, long long head_stride, float scale, float* __restrict__ part_o,
     float2* __restrict__ part_ml, int S, int s, int kvh, int j0, int j1) {
     constexpr int VEC = 16 / sizeof(KV);
@@ -68,7 +87,8 @@ __device__ __forceinline__ void attn_split_tiles(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h0 = kvh * G;
-    for (int i = tid; i < G * HD; i += ATT_NT) sq[i / HD][i % HD] = q[(size_t)h0 * HD + i];
+    for (int i = tid; i < G * HD; i += ATT_NT)
+        sq[i / HD][i % HD] = q_float(q[(size_t)(h0 + i / HD) * q_head_stride + i % HD]);
     if (tid < G) { sm[tid] = ATT_NEG_INF; sl[tid] = 0.0f; }
     __syncthreads();
 
@@ -118,7 +138,7 @@ __device__ __forceinline__ void attn_split_tiles(
             for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
             const float mold = sm[g];
             const float mnew = fmaxf(mold, mx);
-            const float p0 = expf(v0 - mnew), p1 = expf(v1 - mnew);
+            const float p0 = att_exp<EXP2>(v0 - mnew), p1 = att_exp<EXP2>(v1 - mnew);
             sp[g][lane] = p0;
             sp[g][lane + 32] = p1;
             float sum = p0 + p1;
@@ -126,7 +146,7 @@ __device__ __forceinline__ void attn_split_tiles(
             for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
             __syncwarp();
             if (lane == 0) {
-                const float a = expf(mold - mnew);
+                const float a = att_exp<EXP2>(mold - mnew);
                 salpha[g] = a;
                 sl[g] = sl[g] * a + sum;
                 sm[g] = mnew;
@@ -188,7 +208,7 @@ __device__ __forceinline__ void attn_split_tiles(
 
 // One output element (head h, dim dd) of the combine, and its q8_1 block (the 32 lanes of the
 // calling warp hold 32 consecutive dims of one head).
-template <int HD>
+template <int HD, bool EXP2>
 __device__ __forceinline__ void attn_combine_one(
     int h, int dd, const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
     float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
@@ -199,7 +219,7 @@ __device__ __forceinline__ void attn_combine_one(
     for (int s = 0; s < S; ++s) {
         const float2 v = ml[s];
         if (v.x == ATT_NEG_INF) continue;          // empty split (its o was never written)
-        const float w = expf(v.x - M);
+        const float w = att_exp<EXP2>(v.x - M);
         den += w * v.y;
         const float* po = part_o + ((size_t)h * S + s) * HD + dd;
         o += w * *po;
@@ -207,7 +227,7 @@ __device__ __forceinline__ void attn_combine_one(
     o = o / den;
     const int idx = h * HD + dd;
     if (out) out[idx] = o;
-    q8_1_warp(o, oq + idx, ods + (idx >> 5));
+    if (oq) q8_1_warp(o, oq + idx, ods + (idx >> 5));     // oq: a kernel argument (warp-uniform)
 }
 
 template <int HD, int G, typename KV>
@@ -222,8 +242,8 @@ __device__ __forceinline__ void attn_split_body(
     const int j0 = s * C, j1 = min(L, j0 + C);
     const int h0 = kvh * G;
     if (j0 < j1) {
-        attn_split_tiles<HD, G, KV>(q, kc, vc, tok_stride, head_stride, scale, part_o, part_ml, S, s,
-                                    kvh, j0, j1);
+        attn_split_tiles<HD, G, KV, float, false>(q, HD, kc, vc, tok_stride, head_stride, scale, part_o,
+                                                  part_ml, S, s, kvh, j0, j1);
     } else if (tid < G) {
         part_ml[(size_t)(h0 + tid) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
     }
@@ -259,7 +279,7 @@ template <int HD>
 __device__ __forceinline__ void attn_combine_body(
     const float* __restrict__ part_o, const float2* __restrict__ part_ml, int S,
     float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
-    attn_combine_one<HD>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods);
+    attn_combine_one<HD, false>(blockIdx.x, threadIdx.x, part_o, part_ml, S, out, oq, ods);
 }
 
 #define ATT_COMBINE_INSTANCE(HD)                                                               \
@@ -272,3 +292,67 @@ __device__ __forceinline__ void attn_combine_body(
 
 ATT_COMBINE_INSTANCE(64)
 ATT_COMBINE_INSTANCE(128)
+
+// ---------------------------------------------------------------- varlen (batched decode rows)
+
+template <int HD, int G>
+__device__ __forceinline__ void attn_split_varlen_body(
+    const u16* __restrict__ Q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int4* __restrict__ rows, int T, int maxT, float* __restrict__ part_o, float2* __restrict__ part_ml) {
+    const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+    const int4 rw = rows[r];
+    const int L = rw.y;
+    if (L <= 0) return;                                   // padding row
+    const int H = gridDim.y * G, h0 = kvh * G;
+    float* po = part_o + (size_t)r * H * S * HD;
+    float2* pml = part_ml + (size_t)r * H * S;
+    const int C = (L + S - 1) / S;
+    const int j0 = s * C, j1 = min(L, j0 + C);
+    if (j0 < j1) {
+        attn_split_tiles<HD, G, u16, u16, true>(Q + (size_t)rw.x * HD, (long long)T * HD, kc + (size_t)rw.z * HD,
+                                                vc + (size_t)rw.z * HD, HD, (long long)maxT * HD, 1.0f, po, pml,
+                                                S, s, kvh, j0, j1);
+    } else if (threadIdx.x < G) {
+        pml[(size_t)(h0 + threadIdx.x) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
+    }
+}
+
+#define ATT_SPLIT_VARLEN_INSTANCE(HD, G)                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_NT)                                       \
+    attn_split_varlen_h##HD##_g##G(const u16* __restrict__ Q, const u16* __restrict__ kc,      \
+                                   const u16* __restrict__ vc, const int4* __restrict__ rows,  \
+                                   int T, int maxT, float* __restrict__ part_o,                \
+                                   float2* __restrict__ part_ml) {                             \
+        attn_split_varlen_body<HD, G>(Q, kc, vc, rows, T, maxT, part_o, part_ml);              \
+    }
+
+#define ATT_SPLIT_VARLEN_G(G) ATT_SPLIT_VARLEN_INSTANCE(64, G) ATT_SPLIT_VARLEN_INSTANCE(128, G)
+ATT_SPLIT_VARLEN_G(1)
+ATT_SPLIT_VARLEN_G(2)
+ATT_SPLIT_VARLEN_G(4)
+ATT_SPLIT_VARLEN_G(6)
+ATT_SPLIT_VARLEN_G(7)
+ATT_SPLIT_VARLEN_G(8)
+
+template <int HD>
+__device__ __forceinline__ void attn_combine_varlen_body(
+    const float* __restrict__ part_o, const float2* __restrict__ part_ml, const int4* __restrict__ rows,
+    int S, float* __restrict__ out, i8* __restrict__ oq, float2* __restrict__ ods) {
+    const int h = blockIdx.x, r = blockIdx.y, H = gridDim.x;
+    const int4 rw = rows[r];
+    if (rw.y <= 0) return;                                // padding row (block-uniform)
+    const size_t row = (size_t)rw.x * H * HD;             // output row t
+    attn_combine_one<HD, true>(h, threadIdx.x, part_o + (size_t)r * H * S * HD, part_ml + (size_t)r * H * S, S,
+                               out ? out + row : nullptr, oq ? oq + row : nullptr, ods + row / 32);
+}
+
+#define ATT_COMBINE_VARLEN_INSTANCE(HD)                                                        \
+    extern "C" __global__ void __launch_bounds__(HD)                                           \
+    attn_combine_varlen_h##HD(const float* __restrict__ part_o, const float2* __restrict__ part_ml, \
+                              const int4* __restrict__ rows, int S, float* __restrict__ out,   \
+                              i8* __restrict__ oq, float2* __restrict__ ods) {                 \
+        attn_combine_varlen_body<HD>(part_o, part_ml, rows, S, out, oq, ods);                  \
+    }
+
+ATT_COMBINE_VARLEN_INSTANCE(64)
+ATT_COMBINE_VARLEN_INSTANCE(128)

@@ -166,6 +166,30 @@ step_batched() {
   return $rc
 }
 
+# Small-batch MMQ grids: the production plan against every tile split into P K-parts
+# (dev/split_sweep.py) on the 7B shapes.
+step_splits() {
+  python3 -m dev.split_sweep --tokens "${SPLIT_TOKENS:-16,32,64}" --json "$OUT/split_sweep.json" 2>&1 | tee "$OUT/split_sweep.log"
+  return "${PIPESTATUS[0]}"
+}
+
+# Kernel time of a batched decode step (PROFILE_NPL slots at depth 256, one graph replay after two
+# warm-up steps) from Nsight Compute: each kernel node's duration (no event overhead; kernels
+# serialized, caches not flushed), summed per kernel family by scripts/kern_summary.py.
+step_profile() {
+  local m=/tmp/l7b.gguf ncu npl
+  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+  [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
+  for npl in ${PROFILE_NPL:-32}; do
+    timeout 300 "$ncu" --profile-from-start off --graph-profiling node --cache-control none --clock-control none \
+        --metrics gpu__time_duration.sum --csv --print-units base \
+        python3 -m dev.step_profile "$m" "$npl" 256 1 > "$OUT/kern_$npl.csv" 2> "$OUT/profile_$npl.err" \
+        || { tail -5 "$OUT/profile_$npl.err"; tail -3 "$OUT/kern_$npl.csv"; return 1; }
+    python3 scripts/kern_summary.py "$OUT/kern_$npl.csv" 1 "x$npl"
+  done
+}
+
 # llama.cpp, built in the background at the top of the call (LLAMA=1): wait for it (bounded).
 wait_llama() {
   [ -n "${LLAMA_PID:-}" ] || return 1

@@ -35,11 +35,15 @@ def _fake_cupy() -> types.ModuleType:
 
     class _Device:
         id = 0
+        attributes = {"MultiProcessorCount": 132}
 
         def synchronize(self):
             pass
 
     class _Event:
+        def __init__(self, disable_timing=False):
+            pass
+
         def record(self, stream=None):
             pass
 
@@ -47,7 +51,7 @@ def _fake_cupy() -> types.ModuleType:
             pass
 
     cuda = types.SimpleNamespace(Device=lambda *a: _Device(), Event=_Event,
-                                 get_elapsed_time=lambda a, b: 0.0)
+                                 get_elapsed_time=lambda a, b: 0.0, get_current_stream=lambda: None)
     cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 0)
     cp.cuda = cuda
     return cp
@@ -100,12 +104,15 @@ def emu_attention_prefill(qh, kc, vc, start, out_act=None, out_f32=None, start_d
         _store_q8(quants.quantize_q8_1(o), out_act)
 
 
-def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None):
+def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode=None):
     T, QD = qh.shape[1], qh.shape[0] * qh.shape[2]
     o = np.zeros((T, QD), dtype=np.float32)
     for row0, nq, pos0, kvb in np.asarray(tiles_dev):
         if nq > 0:
             o[row0:row0 + nq] = numerics.attention_f16(qh[:, row0:row0 + nq], kc[:, kvb:], vc[:, kvb:], pos0)
+    for row, keys, kvb, _ in (np.asarray(decode.rows) if decode is not None else ()):
+        if keys > 0:
+            o[row:row + 1] = numerics.attention_f16(qh[:, row:row + 1], kc[:, kvb:], vc[:, kvb:], keys - 1)
     if out_f32 is not None:
         out_f32[...] = o
     else:
@@ -134,6 +141,25 @@ def emu_argmax_rows(logits_2d, ids_out, best_out=None):
         best_out[...] = logits_2d[np.arange(logits_2d.shape[0]), ids_out]
 
 
+def emu_record_last(chosen, slot, last):
+    for c, s in zip(np.asarray(chosen), np.asarray(slot)):
+        if s >= 0:
+            last[s] = c
+
+
+def emu_resolve_follow(ids, last):
+    follow = ids < 0
+    ids[follow] = last[-ids[follow] - 1]
+
+
+def emu_upload_async(dst, host, stream):
+    dst[...] = host
+
+
+def emu_download_async(src, host, stream):
+    host[...] = src
+
+
 @contextmanager
 def emulated_gpu():
     """Patch cupy (numpy), the prefill launchers (engine.gpu.ops.*) and engine.gpu.ops.mmq.mmq for the
@@ -147,6 +173,9 @@ def emulated_gpu():
                (ops.attention, "attention_varlen"): emu_attention_varlen,
                (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq,
                (ops.norm, "gather_add_rows"): emu_gather_add_rows, (ops.argmax, "argmax_rows"): emu_argmax_rows,
+               (ops.argmax, "record_last"): emu_record_last, (ops.argmax, "resolve_follow"): emu_resolve_follow,
+               (gpu_batch, "pinned_int32"): lambda n: np.zeros(n, np.int32),
+               (gpu_batch, "upload_async"): emu_upload_async, (gpu_batch, "download_async"): emu_download_async,
                (gpu_model, "graph_tokens"): lambda n, start, capacity: None,
                (gpu_batch.GPUBatch, "_replay"): lambda self, sb: sb.enqueue(self)}
     saved = {key: getattr(*key) for key in patches}

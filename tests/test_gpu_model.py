@@ -289,6 +289,18 @@ def test_varlen_tiles_host():
     assert varlen_max_tiles(64, 2) == 2 and varlen_max_tiles(3, 8) == 3
 
 
+def test_varlen_plan_host():
+    """The one-query tiles of a batch become decode rows (row, keys, kvbase, 0): a decode token
+    and the 1-query tail of a 65-query prompt; the rest stay tiles; both padded to the grid."""
+    from engine.gpu.ops.attention import varlen_plan
+
+    tiles, rows = varlen_plan([(0, 65, 10, 0), (65, 1, 40, 100), (66, 2, 0, 200)], n_tiles=4, n_rows=3)
+    assert tiles.tolist() == [[0, 64, 10, 0], [66, 2, 0, 200], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert rows.tolist() == [[64, 75, 0, 0], [65, 41, 100, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError):
+        varlen_plan([(0, 1, 0, 0), (1, 1, 0, 9)], n_tiles=1, n_rows=1)
+
+
 def _varlen_batch(rng, seqs):
     """Shuffled batch rows of sequences (n, start, kvbase): per batch row its (sequence, index)."""
     owner = [(s, i) for s, (n, _, _) in enumerate(seqs) for i in range(n)]
@@ -356,6 +368,75 @@ def test_qkv_rope_varlen(cp, rng, rope_type, hd, bias):
                           0, rope_type == "neox", H, KVH, hd, rows=(cp.asarray(pos[:-1]), cp.asarray(row[:-1])))
 
 
+def _varlen_case(rng, hd, H, KVH, seqs=((70, 5, 0), (1, 40, 80), (3, 0, 130), (1, 0, 140)), maxT=150):
+    """A batched step's attention inputs: sequences (n, start, kvbase) in one cache (NaN
+    outside their keys), their rows in the batch in blocks of a fixed order; (seqs, row0 per
+    sequence, T, q f16 [H, T, hd], kc, vc)."""
+    scale = math.log2(math.e) / math.sqrt(hd)
+    kc = np.full((KVH, maxT, hd), np.nan, dtype=np.float16)
+    vc = np.full((KVH, maxT, hd), np.nan, dtype=np.float16)
+    for n, st, base in seqs:
+        kc[:, base:base + st + n] = rng.standard_normal((KVH, st + n, hd))
+        vc[:, base:base + st + n] = rng.standard_normal((KVH, st + n, hd)) * 3
+    order = list(range(len(seqs)))[::-1]                  # sequences' blocks of rows in the batch
+    row0, r = {}, 0
+    for s in order:
+        row0[s] = r
+        r += seqs[s][0]
+    q = (rng.standard_normal((H, r, hd)) * scale).astype(np.float16)
+    return list(seqs), row0, r, q, kc, vc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,H,KVH,n_sm", [(64, 2, 1, 132), (128, 4, 1, 132), (128, 8, 2, 1), (64, 7, 1, 132)])
+def test_attention_varlen_decode_rows(cp, rng, hd, H, KVH, n_sm):
+    """varlen_plan's split of a batch: its tiles of 2+ queries give the bits of the tiles-only
+    launch; its one-query tiles (two decode tokens, the 1-query tail of a 65-query prompt) go
+    through attention_decode.cu's varlen split + combine (n_sm 132: many key splits; 1: one),
+    within test_attention_prefill's bound of the numpy oracle, q8_1 output consistent with the
+    f32 one (s = d * sum q exactly); padding rows write nothing."""
+    from engine.gpu import ops
+    from engine.gpu.ops.attention import VarlenDecode, varlen_max_tiles, varlen_plan, varlen_tiles
+    from engine.reference.numerics import attention_f16 as attention_numpy
+
+    seqs, row0, T, q, kc, vc = _varlen_case(rng, hd, H, KVH, seqs=((65, 5, 0), (1, 140, 80), (3, 0, 230),
+                                                                    (1, 0, 240), (1, 33, 250)), maxT=300)
+    spec = [(row0[s], n, st, base) for s, (n, st, base) in enumerate(seqs)]
+    n_tiles, R = varlen_max_tiles(T, len(seqs)) + 1, len(seqs) + 2
+    tiles, drows = varlen_plan(spec, n_tiles, R)
+    assert (drows[:, 1] > 0).sum() == 4 and (tiles[:, 1] == 1).sum() == 0
+    qd, kd, vd = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+    dec = VarlenDecode(cp.asarray(drows), H, KVH, hd, n_sm=n_sm)
+    assert (dec.n_split > 1) == (n_sm > 1)
+    out = cp.full((T + 2, H * hd), np.nan, dtype=cp.float32)[:T]        # rows past T: never written
+    ops.attention.attention_varlen(qd, kd, vd, cp.asarray(tiles), out_f32=out, decode=dec)
+    act = _q8(cp, T, H * hd)
+    ops.attention.attention_varlen(qd, kd, vd, cp.asarray(tiles), out_act=act, decode=dec)
+    whole = cp.full((T, H * hd), np.nan, dtype=cp.float32)
+    ops.attention.attention_varlen(qd, kd, vd, cp.asarray(varlen_tiles(spec)), out_f32=whole)
+    o, w, gq, gds = cp.asnumpy(out), cp.asnumpy(whole), cp.asnumpy(act.q), cp.asnumpy(act.ds)
+    one = {int(r[0]) for r in drows if r[1] > 0}
+    multi = [t for t in range(T) if t not in one]
+    mism = int(np.sum(o[multi].view(np.uint32) != w[multi].view(np.uint32)))
+    err = 0.0
+    for row, keys, base, _ in drows[drows[:, 1] > 0]:
+        kf = kc[:, base:base + keys].astype(np.float32)
+        ref = attention_numpy(q[:, row:row + 1], np.nan_to_num(kc[:, base:base + keys]),
+                              np.nan_to_num(vc[:, base:base + keys]), keys - 1)
+        vmax = float(np.max(np.abs(vc[:, base:base + keys].astype(np.float32))))
+        e = float(np.max(np.abs(o[row] - ref[0]))) if np.isfinite(o[row]).all() and np.isfinite(kf).all() else float("inf")
+        err = max(err, e / vmax)
+        assert e <= vmax * 2 ** -9, (row, e, vmax)
+    deq = Q.dequantize_q8_1(gq, gds[..., 0])
+    step = np.repeat(gds[..., 0], 32, axis=1)
+    q8_excess = float(np.max(np.abs(deq - o) - step * (0.5 + 1e-6)))
+    sm = int(np.sum(gds[..., 1].view(np.uint32) != Q.q8_1_block_sum(gq, gds[..., 0]).view(np.uint32)))
+    _report(test="attention_varlen_decode_rows", hd=hd, H=H, KVH=KVH, splits=dec.n_split, mismatches=mism,
+            max_err_over_vmax=err, bound=2 ** -9, q8_excess=q8_excess, s_mismatches=sm)
+    assert np.isfinite(o).all() and mism == 0
+    assert q8_excess <= 1e-6 * float(np.max(np.abs(o))) and sm == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hd,H,KVH", [(64, 2, 1), (128, 2, 1)])
 def test_attention_varlen(cp, rng, hd, H, KVH):
@@ -368,21 +449,7 @@ def test_attention_varlen(cp, rng, hd, H, KVH):
     from engine.gpu.ops.attention import varlen_max_tiles, varlen_tiles
     from engine.reference.numerics import attention_f16 as attention_numpy
 
-    seqs = [(70, 5, 0), (1, 40, 80), (3, 0, 130), (1, 0, 140)]          # (n, start, kvbase)
-    maxT = 150
-    scale = math.log2(math.e) / math.sqrt(hd)
-    kc = np.full((KVH, maxT, hd), np.nan, dtype=np.float16)
-    vc = np.full((KVH, maxT, hd), np.nan, dtype=np.float16)
-    for n, st, base in seqs:
-        kc[:, base:base + st + n] = rng.standard_normal((KVH, st + n, hd))
-        vc[:, base:base + st + n] = rng.standard_normal((KVH, st + n, hd)) * 3
-    order = [2, 0, 3, 1]                                  # sequences' blocks of rows in the batch
-    row0, r = {}, 0
-    for s in order:
-        row0[s] = r
-        r += seqs[s][0]
-    T = r
-    q = (rng.standard_normal((H, T, hd)) * scale).astype(np.float16)
+    seqs, row0, T, q, kc, vc = _varlen_case(rng, hd, H, KVH)
     n_tiles = varlen_max_tiles(T, len(seqs)) + 2
     tiles = varlen_tiles([(row0[s], n, st, base) for s, (n, st, base) in enumerate(seqs)], n_tiles=n_tiles)
     assert (tiles[:, 1] == 0).sum() >= 2
@@ -739,7 +806,7 @@ def test_gpu_batch_plumbing_emulated(tiny_qwen2_model_path):
     slots continues like the original."""
     from engine.formats.weights import open_model
     from engine.reference.model import ReferenceModel
-    from engine.scheduler import BatchEntry
+    from engine.scheduler import FOLLOW, BatchEntry
     from tests.gpu_emulation import emulated_gpu
 
     mf = open_model(tiny_qwen2_model_path)
@@ -772,3 +839,11 @@ def test_gpu_batch_plumbing_emulated(tiny_qwen2_model_path):
         assert np.array_equal(x, y)
         with pytest.raises(ValueError, match="twice"):
             b.run([BatchEntry(0, [1], 141, None), BatchEntry(0, [2], 142, None)])
+        # two steps in flight, the second fed the first's greedy token on the device (FOLLOW):
+        # the logits of feeding that token explicitly in another slot with the same history
+        b.copy_prefix(1, 0, 11)
+        h1 = b.launch([BatchEntry(1, [5], 11, "argmax")])
+        h2 = b.launch([BatchEntry(1, [FOLLOW], 12, "logits")])
+        t1, z = b.collect(h1)[0][0], b.collect(h2)[0]
+        assert b.run([BatchEntry(0, [5], 11, "argmax")])[0][0] == t1
+        assert np.array_equal(b.run([BatchEntry(0, [t1], 12, "logits")])[0], z)

@@ -8,10 +8,11 @@ A step of N tokens (entries in order: each entry's ids at positions start..) run
 T = the power of two >= N up to GRAPH_MAX_TOKENS (padding: token 0 at position 0, K/V into the
 pad rows, never attended, never read by the head), else T = N:
 
-    tiles [n_tiles, 4]          ops.attention.varlen_tiles (zero tiles up to the fixed grid)
+    tiles [n_tiles, 4]          ops.attention.varlen_plan: tiles of 2+ queries (zero tiles up to
+    drows [S, 4]                the fixed grid) and the one-query tiles as decode rows (zero rows)
     ids, pos, rows [T]          per token: id, RoPE position, cache row
     sel [S]                     the batch row of each wanted entry's last token (S = min(T, n_slots))
-    GPUModel.run_layers(varlen=(pos, rows, tiles))      every layer, the model's own kernels
+    GPUModel.run_layers(varlen=(pos, rows, tiles, VarlenDecode(drows)))   every layer
     out = gather(x + y)[sel] -> rmsnorm q8_1 -> output GEMM -> logits [S, vocab]
     argmax_rows(logits) -> ids, best [S]                 one 8*S-byte copy back per step
 
@@ -50,6 +51,22 @@ def _cp():
     import cupy
 
     return cupy
+
+
+def pinned_int32(n: int) -> np.ndarray:
+    """A page-locked host int32 buffer of n (the asynchronous copies need one)."""
+    mem = _cp().cuda.alloc_pinned_memory(n * 4)
+    return np.frombuffer(mem, dtype=np.int32, count=n)
+
+
+def upload_async(dst, host: np.ndarray, stream) -> None:
+    """dst (device, contiguous) <- host (pinned, same bytes), in stream order."""
+    dst.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
+
+
+def download_async(src, host: np.ndarray, stream) -> None:
+    """host (pinned) <- src (device, contiguous), in stream order."""
+    src.get(stream=stream, out=host, blocking=False)
 
 
 def step_tokens(n: int) -> int:
@@ -94,11 +111,13 @@ class StepBuffers:
         for a in (self.bufs.x, self.bufs.y, self.bufs.a_d.q, self.bufs.a_d.ds, self.bufs.a_q.q,
                   self.bufs.a_q.ds, self.bufs.a_f.q, self.bufs.a_f.ds):
             a.fill(0)                  # padding rows stay finite
-        # inputs: tiles [n_tiles, 4] first (the kernel reads int4: 16-byte aligned), then
-        # ids [T], pos [T], rows [T], sel [S], sel_slot [S]
-        nt4 = 4 * self.n_tiles
+        # inputs: tiles [n_tiles, 4] and decode rows [S, 4] first (the kernels read int4: 16-byte
+        # aligned), then ids [T], pos [T], rows [T], sel [S], sel_slot [S]
+        nt4 = 4 * self.n_tiles + 4 * S
         self.meta = cp.zeros(nt4 + 3 * T + 2 * S, dtype=cp.int32)
-        self.tiles = self.meta[:nt4].reshape(self.n_tiles, 4)
+        self.tiles = self.meta[:4 * self.n_tiles].reshape(self.n_tiles, 4)
+        self.decode = ops.attention.VarlenDecode(self.meta[4 * self.n_tiles:nt4].reshape(S, 4), cfg.n_heads,
+                                                 cfg.n_kv_heads, cfg.head_dim)
         self.ids, self.pos = self.meta[nt4:nt4 + T], self.meta[nt4 + T:nt4 + 2 * T]
         self.rows = self.meta[nt4 + 2 * T:nt4 + 3 * T]
         self.sel, self.sel_slot = self.meta[nt4 + 3 * T:nt4 + 3 * T + S], self.meta[nt4 + 3 * T + S:]
@@ -115,7 +134,7 @@ class StepBuffers:
 
         m = batch.model
         ops.argmax.resolve_follow(self.ids, batch.last_tokens)
-        m.run_layers(self.bufs, self.ids, 0, batch.cache, varlen=(self.pos, self.rows, self.tiles))
+        m.run_layers(self.bufs, self.ids, 0, batch.cache, varlen=(self.pos, self.rows, self.tiles, self.decode))
         with m._span("head_norm"):
             ops.norm.gather_add_rows(self.bufs.x, self.bufs.y, self.sel, self.head_x)
             ops.norm.add_rmsnorm_q8_1(self.head_x, None, m.output_norm, m.config.rms_eps, self.head_a)
@@ -143,12 +162,11 @@ class _RingSlot:
         self.events = (cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event(disable_timing=True))
         self.busy = False
 
-    def pinned(self, cp, which: str, n: int) -> np.ndarray:
+    def pinned(self, which: str, n: int) -> np.ndarray:
         """This slot's pinned int32 buffer `which` ("host_in" | "host_out") of at least n."""
         a = getattr(self, which)
         if a is None or a.size < n:
-            mem = cp.cuda.alloc_pinned_memory(max(n, 1024) * 4)
-            a = np.frombuffer(mem, dtype=np.int32, count=max(n, 1024))
+            a = pinned_int32(max(n, 1024))
             setattr(self, which, a)
         return a[:n]
 
@@ -208,9 +226,9 @@ class GPUBatch:
         host, T, wanted = self._plan(entries)
         sb = self._buffers(T)
         stream = cp.cuda.get_current_stream()
-        h_in = ring.pinned(cp, "host_in", host.size)
+        h_in = ring.pinned("host_in", host.size)
         h_in[...] = host
-        sb.meta.data.copy_from_host_async(h_in.ctypes.data, host.nbytes, stream)
+        upload_async(sb.meta, h_in, stream)
         ring.events[0].record(stream)
         if timer is not None:
             self.model.profile(timer)
@@ -227,7 +245,7 @@ class GPUBatch:
         ring.events[1].record(stream)
         rows = [j for j, i in enumerate(wanted) if entries[i].want == "logits"]
         logits = sb.logits[np.array(rows, dtype=np.int64)] if rows else None   # a copy, in order
-        sb.out.get(stream=stream, out=ring.pinned(cp, "host_out", 2 * sb.S), blocking=False)
+        download_async(sb.out, ring.pinned("host_out", 2 * sb.S), stream)
         ring.events[2].record(stream)
         ring.busy = True
         self._next_ring = (self._next_ring + 1) % IN_FLIGHT
@@ -295,8 +313,8 @@ class GPUBatch:
                 sel_slot[len(wanted)] = e.slot
                 wanted.append(i)
             r += k
-        tiles = ops.attention.varlen_tiles(seqs, n_tiles)
-        host = np.concatenate([tiles.reshape(-1), ids, pos, rows, sel, sel_slot]).astype(np.int32)
+        tiles, drows = ops.attention.varlen_plan(seqs, n_tiles, S)
+        host = np.concatenate([tiles.reshape(-1), drows.reshape(-1), ids, pos, rows, sel, sel_slot]).astype(np.int32)
         return host, T, wanted
 
     def _buffers(self, T: int) -> StepBuffers:

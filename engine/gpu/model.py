@@ -328,9 +328,10 @@ class GPUModel:
         """embed + every layer for the bufs.T tokens ids_dev (int32 on the device) at positions
         start.. (+ start_dev[0] when given: a graph-captured prefill); leaves the residual
         stream in bufs.x + bufs.y. No allocation, no host synchronization.
-        varlen = (pos_dev, rows_dev, tiles_dev): a batched step mixing sequences (engine.gpu.batch):
-        token t at RoPE position pos_dev[t], its K/V at cache row rows_dev[t], attention by the
-        tiles of ops.attention.varlen_tiles (start must be 0)."""
+        varlen = (pos_dev, rows_dev, tiles_dev, decode): a batched step mixing sequences
+        (engine.gpu.batch): token t at RoPE position pos_dev[t], its K/V at cache row rows_dev[t],
+        attention by the tiles of ops.attention.varlen_plan and its decode rows (an
+        ops.attention.VarlenDecode, or None: every tile in tiles_dev) (start must be 0)."""
         cfg = self.config
         qd, kvd, ff = cfg.q_dim, cfg.kv_dim, cfg.d_ff
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -356,7 +357,8 @@ class GPUModel:
                     ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q,
                                                     start_dev=start_dev)
                 else:
-                    ops.attention.attention_varlen(qh, cache.k_layer(i), cache.v_layer(i), varlen[2], out_act=a_q)
+                    ops.attention.attention_varlen(qh, cache.k_layer(i), cache.v_layer(i), varlen[2], out_act=a_q,
+                                                   decode=varlen[3])
             self._gemm(L.wo, a_q, out=y)
             with self._span("rmsnorm_q8"):
                 ops.norm.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)

@@ -166,6 +166,15 @@ def attn_combine_name(head_dim: int) -> str:
     return f"attn_combine_h{head_dim}"
 
 
+def attn_split_varlen_name(head_dim: int, group: int) -> str:
+    """The decode rows of a batched step (f16 Q and cache, exp2-domain scores)."""
+    return f"attn_split_varlen_h{head_dim}_g{group}"
+
+
+def attn_combine_varlen_name(head_dim: int) -> str:
+    return f"attn_combine_varlen_h{head_dim}"
+
+
 # ----------------------------------------------------------------------------- prefill (extern "C")
 
 ATT_PREFILL_HEAD_DIMS = (64, 128)
@@ -201,7 +210,9 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmvq_q4_k.cu": tuple(mmvq_name("q4_k", m) for m in MMVQ_MODES),
     "mmvq_q6_k.cu": tuple(mmvq_name("q6_k", m, p) for p in (True, False) for m in MMVQ_MODES),
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
-                                 for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS),
+                                 for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS)
+    + tuple(attn_split_varlen_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS)
+    + tuple(attn_combine_varlen_name(h) for h in ATTN_HEAD_DIMS),
     "argmax.cu": ("argmax_step", "argmax_rows"),
     "gather_rows.cu": ("gather_add_rows",),
     "follow_tokens.cu": ("record_last", "resolve_follow"),

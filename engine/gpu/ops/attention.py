@@ -5,7 +5,10 @@ rope.cu's output) over the layer's f16 cache, q8_1 or float32 output.
 
 Varlen (attention_prefill.cu's varlen entry): a batched step mixing sequences (continuous
 batching): the rows of several sequences, each at its own positions over its own cache rows,
-cut into the same 64-query tiles (varlen_tiles) and run by the same loop as the prefill.
+cut into the same 64-query tiles (varlen_tiles) and run by the same loop as the prefill. With
+a VarlenDecode, the one-query tiles (every decoder's token) go instead to attention_decode.cu's
+varlen split + combine (varlen_plan): the prefill loop gives a lone query one warp of four and
+walks its keys in one block; the split spreads them over the GPU.
 
 Decode (attention_decode.cu): one query row per head over keys 0..pos (pos read on the device),
 split over keys then combined, q8_1 output for the Wo GEMV.
@@ -104,33 +107,91 @@ def varlen_tiles(seqs, n_tiles: int | None = None) -> np.ndarray:
         for q0 in range(0, n, ATT_BQ):
             tiles.append((row0 + q0, min(ATT_BQ, n - q0), start + q0, kvbase))
     tiles.sort(key=lambda t: -(t[2] + t[1]))
-    if n_tiles is not None:
-        if len(tiles) > n_tiles:
-            raise ValueError(f"varlen_tiles: {len(tiles)} tiles needed, the grid has {n_tiles}")
-        tiles += [(0, 0, 0, 0)] * (n_tiles - len(tiles))
-    return np.array(tiles, dtype=np.int32).reshape(-1, 4)
+    return _pad_rows(tiles, n_tiles, "tiles")
 
 
-def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None) -> None:
+def _pad_rows(rows: list, n: int | None, what: str) -> np.ndarray:
+    if n is not None:
+        if len(rows) > n:
+            raise ValueError(f"varlen: {len(rows)} {what} needed, the grid has {n}")
+        rows = rows + [(0, 0, 0, 0)] * (n - len(rows))
+    return np.array(rows, dtype=np.int32).reshape(-1, 4)
+
+
+def varlen_plan(seqs, n_tiles: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """varlen_tiles' tiles split for attention_varlen with a VarlenDecode: (the tiles of two
+    or more queries, zero tiles up to n_tiles; the one-query tiles as decode rows int32
+    [n_rows, 4] = (row, keys = pos + 1, kvbase, 0), zero rows up to n_rows)."""
+    tiles = varlen_tiles(seqs).tolist()
+    multi = [t for t in tiles if t[1] > 1]
+    rows = [(t[0], t[2] + 1, t[3], 0) for t in tiles if t[1] == 1]
+    return _pad_rows(multi, n_tiles, "tiles"), _pad_rows(rows, n_rows, "decode rows")
+
+
+# decode rows of a batched step (attention_decode.cu varlen)
+VARLEN_BLOCKS_PER_SM = 8    # key splits: enough (row, KV head, split) blocks for ~8 per SM
+VARLEN_MAX_SPLIT = 16
+
+
+class VarlenDecode:
+    """The decode rows of a batched step for attention_varlen: rows_dev int32 [R, 4] on the
+    device (varlen_plan's second part), and the split workspace for R rows of H heads."""
+
+    def __init__(self, rows_dev, n_heads: int, n_kv_heads: int, head_dim: int, n_sm: int | None = None):
+        cp = _cupy()
+        R = int(rows_dev.shape[0])
+        if n_sm is None:
+            n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.rows = rows_dev
+        self.n_split = max(1, min(VARLEN_MAX_SPLIT, -(-VARLEN_BLOCKS_PER_SM * n_sm // max(1, R * n_kv_heads))))
+        self.part_o = cp.empty((max(R, 1), n_heads, self.n_split, head_dim), dtype=cp.float32)
+        self.part_ml = cp.empty((max(R, 1), n_heads, self.n_split, 2), dtype=cp.float32)
+
+
+def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode: VarlenDecode | None = None) -> None:
     """Causal GQA attention of a batched step mixing sequences: queries qh f16 [H, T, hd]
     (rope.cu's output, rows in batch order), the layer's cache kc/vc f16 [KVH, maxT, hd], and
     tiles_dev int32 [n_tiles, 4] on the device (varlen_tiles: (row0, nq, pos0, kvbase) per
     tile, zero tiles skipped; their ranges are the caller's check). One block per tile and
     head. Output rows in batch order: out_act (Q8Act [T, H*hd]) or out_f32 (float32
-    [T, H*hd]); exactly one."""
+    [T, H*hd]); exactly one. decode (VarlenDecode): its rows (the one-query tiles, which
+    tiles_dev then leaves out: varlen_plan) through attention_decode.cu's varlen split +
+    combine, grids (splits, KVH, R) and (H, R)."""
     H, T, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_varlen", qh, kc, vc, out_act, out_f32, True)
     n_tiles = int(tiles_dev.shape[0]) if tiles_dev.ndim == 2 else -1
     contig(tiles_dev, np.int32, (max(n_tiles, 0), 4), "attention tiles")
-    ptr_ = getattr(getattr(tiles_dev, "data", None), "ptr", 0)
-    if isinstance(ptr_, int) and ptr_ % 16:
-        raise ValueError("attention_varlen: tiles must be 16-byte aligned (the kernel reads int4)")
-    if n_tiles == 0 or T == 0:
+    _check_int4(tiles_dev, "tiles")
+    if T == 0:
         return
-    smem = attention_smem_bytes(hd)
-    k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
-    k((n_tiles, H), (ATT_THREADS,),
-      (qh, kc, vc, o, oq, ods, tiles_dev, np.int32(T), np.int32(H), np.int32(KVH), np.int32(maxT)),
-      shared_mem=smem)
+    if n_tiles:
+        smem = attention_smem_bytes(hd)
+        k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
+        k((n_tiles, H), (ATT_THREADS,),
+          (qh, kc, vc, o, oq, ods, tiles_dev, np.int32(T), np.int32(H), np.int32(KVH), np.int32(maxT)),
+          shared_mem=smem)
+    if decode is None:
+        return
+    R, G = int(decode.rows.shape[0]), H // KVH
+    contig(decode.rows, np.int32, (R, 4), "attention decode rows")
+    _check_int4(decode.rows, "decode rows")
+    if G not in registry.ATTN_GROUPS or hd not in registry.ATTN_HEAD_DIMS:
+        raise GGUFError(f"attention_varlen: {H} heads / {KVH} KV heads, head size {hd} is not compiled for "
+                        f"decode rows (groups {registry.ATTN_GROUPS}, head sizes {registry.ATTN_HEAD_DIMS})")
+    S = decode.n_split
+    contig(decode.part_o, np.float32, (max(R, 1), H, S, hd), "attention decode part_o")
+    contig(decode.part_ml, np.float32, (max(R, 1), H, S, 2), "attention decode part_ml")
+    if R == 0:
+        return
+    ks = kernels.get_kernel("attention_decode.cu", registry.attn_split_varlen_name(hd, G))
+    ks((S, KVH, R), (128,), (qh, kc, vc, decode.rows, np.int32(T), np.int32(maxT), decode.part_o, decode.part_ml))
+    kc_ = kernels.get_kernel("attention_decode.cu", registry.attn_combine_varlen_name(hd))
+    kc_((H, R), (hd,), (decode.part_o, decode.part_ml, decode.rows, np.int32(S), o, oq, ods))
+
+
+def _check_int4(a, what: str) -> None:
+    ptr_ = getattr(getattr(a, "data", None), "ptr", 0)
+    if isinstance(ptr_, int) and ptr_ % 16:
+        raise ValueError(f"attention_varlen: {what} must be 16-byte aligned (the kernel reads int4)")
 
 
 # ----------------------------------------------------------------------------- decode

@@ -1,0 +1,37 @@
+"""Launch sequence of batched decode steps for a kernel-level profiler (nsys or ncu): a model,
+a GPUBatch of NPL slots holding DEPTH random tokens each, then STEPS decode-only steps of NPL
+tokens (graph replays), one step at a time. The profiler gives each kernel's time in the step
+with no event overhead (engine.gpu.profiler's per-launch events cost more than the small
+kernels they time).
+
+    nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node -o step \\
+        python3 -m dev.step_profile M.gguf 32 256 20
+    nsys stats --report cuda_gpu_kern_sum step.nsys-rep
+"""
+import sys
+
+import numpy as np
+
+from engine.loader import load_model
+from engine.scheduler import BatchEntry
+
+path = sys.argv[1]
+npl, depth, steps = (int(a) for a in sys.argv[2:5]) if len(sys.argv) > 4 else (32, 256, 20)
+model = load_model(path, device="gpu")
+batch = model.batch(npl, depth + steps + 4)
+rng = np.random.default_rng(0)
+V = model.config.vocab_size
+for i in range(npl):
+    batch.run([BatchEntry(i, rng.integers(0, V, depth).tolist(), 0, None)])
+toks = [int(t) for t in rng.integers(0, V, npl)]
+import cupy  # noqa: E402
+
+for k in range(steps + 2):                       # two warm-up steps (the first records the graph)
+    if k == 2:
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.profiler.start()
+    outs = batch.run([BatchEntry(i, [toks[i]], depth + k, "argmax") for i in range(npl)])
+    toks = [o[0] for o in outs]
+cupy.cuda.profiler.stop()
+print(f"step_profile: {npl} slots at depth {depth}, {steps} steps, "
+      f"last device ms {batch.last_device_seconds * 1e3:.3f}")
