@@ -117,8 +117,7 @@ step_perf() {
 # Many users (issue 13): `serve --device gpu` on the synthetic llama2-7b with --parallel LOAD_NP,
 # scripts/load_gen.py at LOAD_CONC (256-token random prompts, 128 tokens each, ignore_eos), then the
 # shared-prefix probe (two requests with the same 2,000-token prefix, one after the other) and the
-# server's batching metrics. With .gpu_data/llama.cpp.tar.gz, llama.cpp is built in the background
-# at the start (LLAMA=1) and its llama-batched-bench (npp 256, ntg 128, npl 1,8,32) runs last.
+# server's batching metrics (step_llama puts llama.cpp's batched rows beside them).
 step_load() {
   local m=/tmp/l7b.gguf port=8093 rc=0 i
   [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
@@ -144,11 +143,22 @@ PY
       | grep -E "^gguf_prefill_(batch_(tokens|sequences)_(sum|count)|step_seconds_(sum|count)|prefix_cache|time_to_first_token_seconds_(sum|count)|generated_tokens_total)" 
   kill -TERM $pid; wait $pid
   grep -E "Traceback|ERROR" "$OUT/serve.log" | head -5
-  if [ -x /tmp/llama.cpp/build/bin/llama-batched-bench ] || wait_llama; then
-    timeout 200 /tmp/llama.cpp/build/bin/llama-batched-bench -m "$m" -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
-        -npp 256 -ntg 128 -npl 1,8,32 > "$OUT/llama_batched.txt" 2>&1 || rc=1
-    grep -E "^\|" "$OUT/llama_batched.txt" | tail -5
-  fi
+  return $rc
+}
+
+# llama.cpp on the same synthetic model, same call (build it with LLAMA=1 at the top of this or
+# an earlier call of the same warm lease): llama-batched-bench (npp 256, ntg 128, npl 1,8,32: the
+# rows of `bench --batched`) and llama-bench (LLAMA_PP, tg128).
+step_llama() {
+  local m=/tmp/l7b.gguf rc=0 bin=/tmp/llama.cpp/build/bin
+  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  [ -x $bin/llama-batched-bench ] || wait_llama || return 1
+  timeout 200 $bin/llama-batched-bench -m "$m" -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
+      -npp 256 -ntg 128 -npl 1,8,32 > "$OUT/llama_batched.txt" 2>&1 || rc=1
+  grep -E "^\|" "$OUT/llama_batched.txt" | tail -5
+  timeout 200 $bin/llama-bench -m "$m" -p "${LLAMA_PP:-32,128,512}" -n 128 -fa 1 -r 3 -ngl 99 \
+      > "$OUT/llama_bench.txt" 2>&1 || rc=1
+  grep -E "^\|" "$OUT/llama_bench.txt" | tail -6
   return $rc
 }
 
@@ -212,6 +222,8 @@ for s in env $STEPS; do
   section "$s"
   "step_$s" || { echo "!! step $s failed (rc $?)"; STATUS=1; }
 done
+
+if [ -n "${LLAMA_PID:-}" ]; then section "llama.cpp build"; wait_llama && echo "llama.cpp built"; fi
 
 section summary
 python3 scripts/gpu_summary.py "$OUT" || STATUS=1

@@ -292,13 +292,21 @@ def test_varlen_tiles_host():
 def test_varlen_plan_host():
     """The one-query tiles of a batch become decode rows (row, keys, kvbase, 0): a decode token
     and the 1-query tail of a 65-query prompt; the rest stay tiles; both padded to the grid."""
-    from engine.gpu.ops.attention import varlen_plan
+    from engine.gpu.ops.attention import varlen_max_multi_tiles, varlen_plan
 
     tiles, rows = varlen_plan([(0, 65, 10, 0), (65, 1, 40, 100), (66, 2, 0, 200)], n_tiles=4, n_rows=3)
     assert tiles.tolist() == [[0, 64, 10, 0], [66, 2, 0, 200], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert rows.tolist() == [[64, 75, 0, 0], [65, 41, 100, 0], [0, 0, 0, 0]]
     with pytest.raises(ValueError):
         varlen_plan([(0, 1, 0, 0), (1, 1, 0, 9)], n_tiles=1, n_rows=1)
+    rng = np.random.default_rng(1)
+    for _ in range(300):                       # the fixed grids of a step of T rows, E sequences
+        E = int(rng.integers(1, 9))
+        T = int(rng.integers(E, 600))
+        cuts = np.sort(rng.choice(np.arange(1, T), E - 1, replace=False)) if E > 1 else np.array([], int)
+        ns = np.diff(np.concatenate([[0], cuts, [T]]))
+        varlen_plan([(0, int(n), 0, 0) for n in ns], varlen_max_multi_tiles(T, E), E)
+    assert varlen_max_multi_tiles(1, 1) == 0 and varlen_max_multi_tiles(32, 32) == 16
 
 
 def _varlen_batch(rng, seqs):

@@ -106,7 +106,7 @@ class StepBuffers:
         m, cfg = batch.model, batch.model.config
         self.T = T
         self.S = S = min(T, batch.n_slots)
-        self.n_tiles = ops.attention.varlen_max_tiles(T, S)
+        self.n_tiles = ops.attention.varlen_max_multi_tiles(T, S)
         self.bufs = UbatchBuffers(m, T)
         for a in (self.bufs.x, self.bufs.y, self.bufs.a_d.q, self.bufs.a_d.ds, self.bufs.a_q.q,
                   self.bufs.a_q.ds, self.bufs.a_f.q, self.bufs.a_f.ds):
@@ -285,7 +285,7 @@ class GPUBatch:
             raise ValueError("batch: a step needs at least one token")
         T = step_tokens(n)
         S = min(T, self.n_slots)
-        n_tiles = ops.attention.varlen_max_tiles(T, S)
+        n_tiles = ops.attention.varlen_max_multi_tiles(T, S)
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
         rows = self.pad_row0 + np.arange(T, dtype=np.int32)

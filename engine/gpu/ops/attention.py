@@ -118,6 +118,12 @@ def _pad_rows(rows: list, n: int | None, what: str) -> np.ndarray:
     return np.array(rows, dtype=np.int32).reshape(-1, 4)
 
 
+def varlen_max_multi_tiles(n_rows: int, max_seqs: int) -> int:
+    """Most tiles of two or more queries (varlen_plan's first part) in n_rows rows of at most
+    max_seqs sequences: varlen_max_tiles, and at most n_rows // 2 (none for a 1-token step)."""
+    return min(n_rows // 2, varlen_max_tiles(n_rows, max_seqs))
+
+
 def varlen_plan(seqs, n_tiles: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """varlen_tiles' tiles split for attention_varlen with a VarlenDecode: (the tiles of two
     or more queries, zero tiles up to n_tiles; the one-query tiles as decode rows int32
