@@ -1,5 +1,5 @@
 """Small-batch MMQ grids: the production plan (choose_variant + split_plan) against every tile
-split into P K-parts (split0 = 0), on the 7B shapes at small T, graph timing over weight copies
+split into P K-parts (split0 = 0), for its tile config and the --alt ones, on the 7B shapes at small T, graph timing over weight copies
 larger than L2 (dev/gemm_bench.GraphTimer). One line per (shape, T): the production time, the
 best forced plan, and every P tried.
 
@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="16,32,64")
     ap.add_argument("--parts", default="1,2,3,4,6,8,12,16")
+    ap.add_argument("--alt", default="q4_k:m16n128tc_k256,q6_k:m16n128",
+                    help="KIND:VARIANT,..: tile configs swept besides the production one")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
@@ -45,16 +47,20 @@ def main(argv=None) -> int:
             base = kernels.mmq_split_name(prod)[0]
             t_prod = gt(lambda c: gpu_ops.mmq(copies[c], act, out=y, variant=prod), len(copies))["median_ms"]
             ref = cp.asnumpy(y)
-            _, _, _, _, _, ks, _ = kernels.mmq_config(kind, base) if base in kernels.mmq_variants(kind) else (0,) * 7
-            stages = K // ks if ks else 0
+            alts = [v.split(":", 1)[1] for v in a.alt.split(",") if v.startswith(kind + ":")]
             tried = {}
-            for P in parts:
-                if base not in kernels.mmq_variants(kind) or P > stages:
+            for cfg in dict.fromkeys([base] + alts):
+                if cfg not in kernels.mmq_variants(kind):
                     continue
-                var = base + "+split"
-                t = gt(lambda c: gpu_ops.mmq(copies[c], act, out=y, variant=var, split=(0, P)), len(copies))["median_ms"]
-                err = float(np.max(np.abs(cp.asnumpy(y) - ref)) / (np.max(np.abs(ref)) + 1e-30))
-                tried[P] = (t, err)
+                stages = K // kernels.mmq_config(kind, cfg)[5]
+                for P in parts:
+                    if P > stages:
+                        continue
+                    var = cfg + "+split"
+                    t = gt(lambda c: gpu_ops.mmq(copies[c], act, out=y, variant=var, split=(0, P)),
+                           len(copies))["median_ms"]
+                    err = float(np.max(np.abs(cp.asnumpy(y) - ref)) / (np.max(np.abs(ref)) + 1e-30))
+                    tried[f"{cfg}/{P}" if cfg != base else P] = (t, err)
             best = min(tried.items(), key=lambda kv: kv[1][0]) if tried else (None, (float("nan"), 0.0))
             rec = {"kind": kind, "N": N, "K": K, "T": T, "production": prod, "prod_ms": t_prod,
                    "prod_gbs": wd.nbytes / t_prod * 1e-6, "best_parts": best[0], "best_ms": best[1][0],

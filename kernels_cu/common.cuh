@@ -319,6 +319,10 @@ __device__ __forceinline__ void mmq_store(float* __restrict__ Y, const float (&a
 //                  of the time of a whole tile.
 // The whole-tile instance carries none of the split's state: its loop and registers are the
 // unsplit kernel's (a 1-D tile index there costs the q6_K kernel 28 more bytes of spill).
+// Small batches (several token tiles, ny BM <= MMQ_TFAST_TOKENS, ny = ceil(T / BM) > 1): tile t
+// covers tokens (t % ny) BM.. and weight rows (t / ny) BN.. instead ("token-fast"): the blocks of
+// one weight tile's token tiles are consecutive, so they run together and its bytes come from
+// DRAM once (the later blocks hit L2). Same tiles, same sums; only which block computes which.
 struct MmqWork {
     int n_base, m_base;   // first weight row / token of the tile
     int s0, s1;           // stages [s0, s1) of this block
@@ -329,22 +333,32 @@ __device__ __forceinline__ bool mmq_no_tile(int split0) {       // SPLIT = false
     return (int)(blockIdx.y * gridDim.x + blockIdx.x) >= split0;
 }
 
+#define MMQ_TFAST_TOKENS 64
+
 template <int BM, int BN, bool SPLIT>
-__device__ __forceinline__ MmqWork mmq_work(int N, int nst, int split0, int parts) {
+__device__ __forceinline__ MmqWork mmq_work(int T, int N, int nst, int split0, int parts) {
     MmqWork w;
     w.slot = 0, w.part = 0, w.s0 = 0, w.s1 = nst;
+    const int ny = (T + BM - 1) / BM;
+    const bool tfast = ny > 1 && ny * BM <= MMQ_TFAST_TOKENS;
+    int t;
     if (!SPLIT) {
-        w.n_base = blockIdx.x * BN;
-        w.m_base = blockIdx.y * BM;
-        return w;
+        if (!tfast) {
+            w.n_base = blockIdx.x * BN;
+            w.m_base = blockIdx.y * BM;
+            return w;
+        }
+        t = blockIdx.y * gridDim.x + blockIdx.x;
+    } else {
+        w.slot = blockIdx.x / parts;
+        w.part = blockIdx.x % parts;
+        w.s0 = w.part * nst / parts;
+        w.s1 = (w.part + 1) * nst / parts;
+        t = split0 + w.slot;
     }
-    w.slot = blockIdx.x / parts;
-    w.part = blockIdx.x % parts;
-    w.s0 = w.part * nst / parts;
-    w.s1 = (w.part + 1) * nst / parts;
-    const int t = split0 + w.slot, nx = (N + BN - 1) / BN;
-    w.n_base = (t % nx) * BN;
-    w.m_base = (t / nx) * BM;
+    const int nx = (N + BN - 1) / BN;
+    w.n_base = (tfast ? t / ny : t % nx) * BN;
+    w.m_base = (tfast ? t % ny : t / nx) * BM;
     return w;
 }
 

@@ -69,7 +69,7 @@ mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __re
     const int wm = warp / WN, wn = warp % WN;
     const int m0 = wm * MT * 16, n0 = wn * NT * 8;
     if (!SPLIT && mmq_no_tile(split0)) return;
-    const MmqWork wk = mmq_work<BM, BN, SPLIT>(N, K / KS, split0, parts);
+    const MmqWork wk = mmq_work<BM, BN, SPLIT>(T, N, K / KS, split0, parts);
     const int n_base = wk.n_base, m_base = wk.m_base;
     const int s0 = wk.s0, s1 = wk.s1;               // this block's stages
     const size_t rb = (size_t)(K >> 8) * bstride;

@@ -119,7 +119,9 @@ def test_q6k_closed_form_expansion(cp, rng):
 
 # ----------------------------------------------------------------------------- MMQ
 
-SHAPES = [(1, 300, 512), (7, 333, 1024), (65, 257, 4096), (3314, 200, 512), (130, 129, 256)]
+# T = 40: several token tiles of the 16- and 32-token tiles in the small-batch ("token-fast",
+# common.cuh mmq_work) tile order
+SHAPES = [(1, 300, 512), (7, 333, 1024), (40, 300, 1024), (65, 257, 4096), (3314, 200, 512), (130, 129, 256)]
 
 
 def _variants(kind):
@@ -201,7 +203,8 @@ def test_mmq_q6_k_raw_and_padded(cp, rng, variant, T, N, K):
 
 # (T, N, K, (split0, parts)); split0 < 0 counts from the number of tiles. K = 768 is 3 stages
 # of 256 (6 of 128): uneven parts; the last tile is ragged in T and N for every tile shape.
-SPLIT_CASES = [(130, 129, 768, (0, 2)), (130, 129, 768, (-1, 3)), (200, 300, 1024, (-3, 4))]
+SPLIT_CASES = [(130, 129, 768, (0, 2)), (130, 129, 768, (-1, 3)), (200, 300, 1024, (-3, 4)),
+               (40, 300, 1024, (0, 2)), (40, 300, 768, (-2, 3))]
 
 
 def _mmq_y(cp, w_dev, act, T, N, variant, split):
@@ -285,13 +288,14 @@ def test_linear_matches_two_steps(cp, rng):
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
-@pytest.mark.parametrize("T", [1, 8, 32, 64, 8500])
-def test_default_variant_dispatch(cp, rng, kind, T):
-    """gpu_ops.mmq without a variant (the production path), small and large grid."""
+@pytest.mark.parametrize("T,N", [(1, 136), (8, 136), (32, 136), (64, 136), (8500, 136), (24, 12288)])
+def test_default_variant_dispatch(cp, rng, kind, T, N):
+    """gpu_ops.mmq without a variant (the production path), small and large grid, and a wide
+    matrix at 24 tokens (registry.SMALL_BATCH_WIDE for q4_K)."""
     from engine.gpu.ops import mmq as gpu_ops
     from engine.gpu.weights import upload_weight
 
-    N, K = 136, 512
+    K = 512
     w = rand_rows(rng, kind, N, K)
     x = rand_act(rng, T, K)
     q, d, s = Q.quantize_q8_1(x)

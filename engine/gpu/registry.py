@@ -56,6 +56,12 @@ SMALL_BATCH_TIERS = {
     "q6_k": ((1, MMVQ_VARIANT), (16, "mmsb"), (32, "m32n128+split8"), (64, "m64n128+split8"),
              (128, "m128n128w8_k256+split")),
 }
+# Wide matrices at 17..32 tokens (perf-log session 7, dev/split_sweep, graph timing on the H200):
+# two 16-token tiles in the small-batch tile order (common.cuh mmq_work: the token tiles of a
+# weight tile run together and share its reads through L2) beat one 32-token tile on the fused
+# qkv (12288 rows: 34.5 -> 31.9 us) and gate|up (22016 rows: 56.1 -> 49.4 us), not on 4096 rows.
+# (min T, max T, min rows, variant), checked before SMALL_BATCH_TIERS.
+SMALL_BATCH_WIDE = {"q4_k": ((17, 32, 12288, "m16n128tc_k256+split"),), "q6_k": ()}
 # What the last MMQ_CONFIGS field is, per family: "tc" (q4_K's TF32 min term) or "unroll" (q6_K).
 MMQ_LAST_FIELD = {"q4_k": "tc", "q6_k": "unroll"}
 MMQ_SPLIT_SUFFIX = "+split"
@@ -102,7 +108,7 @@ def mmq_launched(kind: str) -> list[tuple[str, bool]]:
     out = [(SMALL_VARIANT[kind], False), (SMALL_VARIANT[kind], True), (DEFAULT_VARIANT[kind], False)]
     if DEFAULT_SPLIT[kind]:
         out.append((DEFAULT_VARIANT[kind], True))
-    for _, v in SMALL_BATCH_TIERS[kind]:
+    for v in [v for _, v in SMALL_BATCH_TIERS[kind]] + [w[-1] for w in SMALL_BATCH_WIDE[kind]]:
         name, split = mmq_split_name(v)
         if name in MMQ_CONFIGS[kind]:
             out += [(name, False)] + ([(name, True)] if split else [])

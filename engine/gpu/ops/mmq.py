@@ -22,7 +22,8 @@ from engine.gpu.weights import DeviceWeight
 # The production tile choice (which config when, tail split or not) is registry data, next to the
 # instance list it decides; see engine.gpu.registry for the measurements behind it.
 from engine.gpu.registry import (DEFAULT_SPLIT, DEFAULT_VARIANT, MMSB_VARIANT, MMVQ_VARIANT,  # noqa: E402,F401
-                                 SMALL_BATCH_TIERS, SMALL_VARIANT, SPLIT_MAX_PARTS, split_max_parts)
+                                 SMALL_BATCH_TIERS, SMALL_BATCH_WIDE, SMALL_VARIANT, SPLIT_MAX_PARTS,
+                                 split_max_parts)
 _SM_COUNT: dict[int, int] = {}
 _SPLIT_BUFFERS: dict[int, tuple] = {}
 _RETIRED_BUFFERS: list = []      # outgrown workspaces, kept: CUDA graphs (prefill_graph.py) hold their pointers
@@ -39,8 +40,12 @@ def _sm_count() -> int:
 
 def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = None) -> str:
     """The production kernel for a [tokens x rows] output: the decode GEMV (MMVQ_VARIANT) or
-    an MMQ tile variant, by registry.SMALL_BATCH_TIERS, then by whether the 64-token grid
-    fits on the SMs (the 64-token tile, K split so the grid fills them) or not (DEFAULT_VARIANT)."""
+    an MMQ tile variant, by registry.SMALL_BATCH_WIDE (wide matrices) and SMALL_BATCH_TIERS,
+    then by whether the 64-token grid fits on the SMs (the 64-token tile, K split so the grid
+    fills them) or not (DEFAULT_VARIANT)."""
+    for min_t, max_t, min_rows, v in SMALL_BATCH_WIDE[kind]:
+        if min_t <= tokens <= max_t and rows >= min_rows:
+            return v
     for max_t, v in SMALL_BATCH_TIERS[kind]:
         if tokens <= max_t:
             return v
