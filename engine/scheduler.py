@@ -226,11 +226,8 @@ class Scheduler:
                 if not s.prefilling and not e.follows:
                     s.next_token = None
             self.inflight = _Launched(entries, owners, n_dec, handle)
-        done = prev
-        if not self.overlap and self.inflight is not None:
-            if prev is not None:                         # (only after a change of mode)
-                self._collect(prev)
-            done = self._take_inflight()
+        # without overlap, prev is None (_may_follow() is False: collected above): this step
+        done = prev if self.overlap else self._take_inflight()
         if done is None:
             self.last = StepStats()
             return self.last

@@ -69,6 +69,13 @@ def download_async(src, host: np.ndarray, stream) -> None:
     src.get(stream=stream, out=host, blocking=False)
 
 
+def meta_layout(T: int, S: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The step's int32 inputs in their order in one buffer: the int4 arrays first (the kernels
+    read them 16-byte aligned), then the per-token and per-wanted-row arrays."""
+    return [("tiles", (ops.attention.varlen_max_multi_tiles(T, S), 4)), ("drows", (S, 4)),
+            ("ids", (T,)), ("pos", (T,)), ("rows", (T,)), ("sel", (S,)), ("sel_slot", (S,))]
+
+
 def step_tokens(n: int) -> int:
     """T for a step of n tokens: the power of two >= n up to GRAPH_MAX_TOKENS, else n."""
     if n <= GRAPH_MAX_TOKENS:
@@ -106,21 +113,20 @@ class StepBuffers:
         m, cfg = batch.model, batch.model.config
         self.T = T
         self.S = S = min(T, batch.n_slots)
-        self.n_tiles = ops.attention.varlen_max_multi_tiles(T, S)
         self.bufs = UbatchBuffers(m, T)
         for a in (self.bufs.x, self.bufs.y, self.bufs.a_d.q, self.bufs.a_d.ds, self.bufs.a_q.q,
                   self.bufs.a_q.ds, self.bufs.a_f.q, self.bufs.a_f.ds):
             a.fill(0)                  # padding rows stay finite
-        # inputs: tiles [n_tiles, 4] and decode rows [S, 4] first (the kernels read int4: 16-byte
-        # aligned), then ids [T], pos [T], rows [T], sel [S], sel_slot [S]
-        nt4 = 4 * self.n_tiles + 4 * S
-        self.meta = cp.zeros(nt4 + 3 * T + 2 * S, dtype=cp.int32)
-        self.tiles = self.meta[:4 * self.n_tiles].reshape(self.n_tiles, 4)
-        self.decode = ops.attention.VarlenDecode(self.meta[4 * self.n_tiles:nt4].reshape(S, 4), cfg.n_heads,
-                                                 cfg.n_kv_heads, cfg.head_dim)
-        self.ids, self.pos = self.meta[nt4:nt4 + T], self.meta[nt4 + T:nt4 + 2 * T]
-        self.rows = self.meta[nt4 + 2 * T:nt4 + 3 * T]
-        self.sel, self.sel_slot = self.meta[nt4 + 3 * T:nt4 + 3 * T + S], self.meta[nt4 + 3 * T + S:]
+        # the inputs (meta_layout): one buffer, one copy in per step; a view per array
+        layout = meta_layout(T, S)
+        self.meta = cp.zeros(sum(int(np.prod(shape)) for _, shape in layout), dtype=cp.int32)
+        views, o = {}, 0
+        for name, shape in layout:
+            views[name] = self.meta[o:o + int(np.prod(shape))].reshape(shape)
+            o += int(np.prod(shape))
+        self.tiles, self.ids, self.pos, self.rows = views["tiles"], views["ids"], views["pos"], views["rows"]
+        self.sel, self.sel_slot = views["sel"], views["sel_slot"]
+        self.decode = ops.attention.VarlenDecode(views["drows"], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         d = cfg.d_model
         self.head_x = cp.zeros((S, d), dtype=cp.float32)
         self.head_a = Q8Act(cp.zeros((S, d), dtype=cp.int8), cp.zeros((S, d // 32, 2), dtype=cp.float32))
@@ -279,13 +285,13 @@ class GPUBatch:
 
     # ------------------------------------------------------------------ internals
     def _plan(self, entries):
-        """The step's int32 inputs (StepBuffers.meta layout), T, and the wanted entries."""
+        """The step's int32 inputs (meta_layout), T, and the wanted entries."""
         n = sum(len(e.ids) for e in entries)
         if n == 0:
             raise ValueError("batch: a step needs at least one token")
         T = step_tokens(n)
         S = min(T, self.n_slots)
-        n_tiles = ops.attention.varlen_max_multi_tiles(T, S)
+        layout = dict(meta_layout(T, S))
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
         rows = self.pad_row0 + np.arange(T, dtype=np.int32)
@@ -313,8 +319,10 @@ class GPUBatch:
                 sel_slot[len(wanted)] = e.slot
                 wanted.append(i)
             r += k
-        tiles, drows = ops.attention.varlen_plan(seqs, n_tiles, S)
-        host = np.concatenate([tiles.reshape(-1), drows.reshape(-1), ids, pos, rows, sel, sel_slot]).astype(np.int32)
+        tiles, drows = ops.attention.varlen_plan(seqs, layout["tiles"][0], S)
+        arrays = {"tiles": tiles, "drows": drows, "ids": ids, "pos": pos, "rows": rows, "sel": sel,
+                  "sel_slot": sel_slot}
+        host = np.concatenate([arrays[name].reshape(-1) for name in layout]).astype(np.int32)
         return host, T, wanted
 
     def _buffers(self, T: int) -> StepBuffers:
