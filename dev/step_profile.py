@@ -5,7 +5,7 @@ with no event overhead (engine.gpu.profiler's per-launch events cost more than t
 kernels they time).
 
     nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node -o step \\
-        python3 -m dev.step_profile M.gguf 32 256 20
+        python3 -m dev.step_profile M.gguf 32 256 20 [BLOCKS_PER_SM]
     nsys stats --report cuda_gpu_kern_sum step.nsys-rep
 """
 import sys
@@ -17,6 +17,10 @@ from engine.scheduler import BatchEntry
 
 path = sys.argv[1]
 npl, depth, steps = (int(a) for a in sys.argv[2:5]) if len(sys.argv) > 4 else (32, 256, 20)
+if len(sys.argv) > 5:                  # experiment: decode-row attention blocks per SM (key splits)
+    from engine.gpu import ops
+
+    ops.attention.VARLEN_BLOCKS_PER_SM = int(sys.argv[5])
 model = load_model(path, device="gpu")
 batch = model.batch(npl, depth + steps + 4)
 rng = np.random.default_rng(0)

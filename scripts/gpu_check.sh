@@ -192,11 +192,14 @@ step_profile() {
   ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
   for npl in ${PROFILE_NPL:-32}; do
-    timeout 300 "$ncu" --profile-from-start off --graph-profiling node --cache-control none --clock-control none \
-        --metrics gpu__time_duration.sum --csv --print-units base \
-        python3 -m dev.step_profile "$m" "$npl" 256 1 > "$OUT/kern_$npl.csv" 2> "$OUT/profile_$npl.err" \
-        || { tail -5 "$OUT/profile_$npl.err"; tail -3 "$OUT/kern_$npl.csv"; return 1; }
-    python3 scripts/kern_summary.py "$OUT/kern_$npl.csv" 1 "x$npl"
+    for bps in ${PROFILE_BPS:-0}; do        # PROFILE_BPS: decode-attention blocks per SM to try
+      [ "$bps" = 0 ] && bps=""              # 0: the production value
+      timeout 300 "$ncu" --profile-from-start off --graph-profiling node --cache-control none --clock-control none \
+          --metrics gpu__time_duration.sum --csv --print-units base \
+          python3 -m dev.step_profile "$m" "$npl" 256 1 $bps > "$OUT/kern_$npl$bps.csv" 2> "$OUT/profile_$npl.err" \
+          || { tail -5 "$OUT/profile_$npl.err"; tail -3 "$OUT/kern_$npl$bps.csv"; return 1; }
+      python3 scripts/kern_summary.py "$OUT/kern_$npl$bps.csv" 1 "x$npl ${bps:+blocks/SM $bps}" | head -${PROFILE_LINES:-14}
+    done
   done
 }
 

@@ -134,9 +134,13 @@ def varlen_plan(seqs, n_tiles: int, n_rows: int) -> tuple[np.ndarray, np.ndarray
     return _pad_rows(multi, n_tiles, "tiles"), _pad_rows(rows, n_rows, "decode rows")
 
 
-# decode rows of a batched step (attention_decode.cu varlen)
-VARLEN_BLOCKS_PER_SM = 8    # key splits: enough (row, KV head, split) blocks for ~8 per SM
-VARLEN_MAX_SPLIT = 16
+# decode rows of a batched step (attention_decode.cu varlen): key splits enough for about
+# VARLEN_BLOCKS_PER_SM (row, KV head, split) blocks per SM, at most VARLEN_MAX_SPLIT. Measured
+# (ncu, llama2-7b shape, depth 256; perf-log session 7 run 8), attention ms per step for 2 / 4 / 8
+# blocks per SM: 32 rows 1.539 / 1.541 / 1.686, 8 rows 0.692 / 0.651 / 0.644, 1 row (9 / 16 / 16
+# splits) 0.298 / 0.337 / 0.337.
+VARLEN_BLOCKS_PER_SM = 4
+VARLEN_MAX_SPLIT = 8
 
 
 class VarlenDecode:
