@@ -228,6 +228,10 @@ def serve(args: argparse.Namespace | Mapping[str, Any] | Settings | None = None,
     into one stderr line and exit 2."""
     settings = _settings(args, kwargs)
     _setup_logging(settings.log_level)
+    if settings.replicas:
+        from server.cluster import require_ray
+
+        require_ray()  # before the model is read: the missing extra is the first thing said
 
     from engine.formats.weights import open_model
     from server.runner import resolve_model_path
@@ -239,6 +243,11 @@ def serve(args: argparse.Namespace | Mapping[str, Any] | Settings | None = None,
     check_context(settings, model_file.config, file_bytes, device)
     del model_file
     settings = settings.with_(model=model_path)
+    if settings.replicas:  # N engine replicas behind a front, on Ray Serve (server.cluster)
+        from server.cluster.cli import serve_cluster
+
+        bind_socket(settings.host, settings.port).close()  # a port in use fails here, not in Ray
+        return serve_cluster(settings.with_(device=device))
     sock = bind_socket(settings.host, settings.port)
     try:
         return _serve_bound(settings, sock)
@@ -365,11 +374,16 @@ def build_parser(prog: str = "gguf-prefill serve") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`gguf-prefill serve ...` / `python -m server ...`: parse, serve, and turn every bad
     input (flag, variable, model file, port) into one stderr line and exit status 2."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     from engine.errors import GGUFError, UsageError
+
+    from server.cluster import ClusterUnavailable
 
     try:
         return serve(ns)
+    except ClusterUnavailable as e:
+        parser.error(str(e))  # "gguf-prefill serve: error: ...", exit 2
     except (GGUFError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

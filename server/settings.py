@@ -27,6 +27,7 @@ DEFAULT_HEADER_TIMEOUT = 10.0  # seconds from connection (or the previous respon
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive the whole request body
 DEFAULT_PARALLEL = 8  # sequences in flight (KV slots)
 DEFAULT_MAX_BATCH_TOKENS = 512  # tokens per engine step (decodes + prompt chunks)
+MAX_REPLICAS = 1024  # engine replicas behind the Ray Serve front (server.cluster)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Settings:
     parallel: int = DEFAULT_PARALLEL
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     kv_cache_tokens: int = 0  # 0: parallel x ctx_size (GPU: what free memory holds)
+    replicas: int = 0  # engine replicas over Ray Serve (server.cluster); 0: this process serves
+    min_replicas: int = 0  # autoscaling lower bound; 0: = replicas
+    max_replicas: int = 0  # autoscaling upper bound; 0: = replicas
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS | _FLOAT_FIELDS:
@@ -84,11 +88,29 @@ class Settings:
         if self.kv_cache_tokens and self.kv_cache_tokens < self.parallel:
             raise ValueError(f"kv_cache_tokens: {self.kv_cache_tokens} is fewer than one token for "
                              f"each of the {self.parallel} slots (parallel)")
+        self._check_replicas()
         for name in ("keep_alive_timeout", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be > 0 seconds")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
+
+    def _check_replicas(self) -> None:
+        for name in ("replicas", "min_replicas", "max_replicas"):
+            if not 0 <= getattr(self, name) <= MAX_REPLICAS:
+                raise ValueError(f"{name}: {getattr(self, name)} must be in 0..{MAX_REPLICAS}")
+        if not self.replicas:
+            for name in ("min_replicas", "max_replicas"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: {getattr(self, name)} needs --replicas N (the "
+                                     "replicas to start with)")
+            return
+        lo = self.min_replicas or self.replicas
+        hi = self.max_replicas or self.replicas
+        if lo > self.replicas:
+            raise ValueError(f"min_replicas: {lo} is more than replicas ({self.replicas})")
+        if hi < self.replicas:
+            raise ValueError(f"max_replicas: {hi} is fewer than replicas ({self.replicas})")
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -122,7 +144,8 @@ class Settings:
 
 _FIELD_NAMES = {f.name for f in fields(Settings)}
 _INT_FIELDS = {"port", "ctx_size", "max_queue", "max_body_bytes", "max_input_chars",
-               "max_connections", "parallel", "max_batch_tokens", "kv_cache_tokens"}
+               "max_connections", "parallel", "max_batch_tokens", "kv_cache_tokens",
+               "replicas", "min_replicas", "max_replicas"}
 MAX_PARALLEL = 256
 _FLOAT_FIELDS = {"shutdown_timeout", "keep_alive_timeout", "header_timeout", "body_timeout"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -206,4 +229,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                                           f"slots; a request's context is at most one slot "
                                           f"(env {env}KV_CACHE_TOKENS; default 0 = parallel x "
                                           f"ctx-size, on the GPU shrunk to fit free memory)")
+    parser.add_argument("--replicas", dest="replicas", type=int, default=None, metavar="N",
+                        help=f"serve through N engine replicas on Ray Serve (one GPU each on "
+                             f"--device gpu), behind one front with prefix-aware routing; needs "
+                             f"pip install 'gguf-prefill[cluster]'; joins the Ray cluster of "
+                             f"RAY_ADDRESS, else starts a local one (env {env}REPLICAS; "
+                             f"default 0 = this process serves)")
+    parser.add_argument("--min-replicas", dest="min_replicas", type=int, default=None,
+                        metavar="N", help=f"with --replicas: autoscaling lower bound; Ray Serve "
+                                          f"scales on --parallel requests in flight per replica "
+                                          f"(env "
+                                          f"{env}MIN_REPLICAS; default 0 = --replicas)")
+    parser.add_argument("--max-replicas", dest="max_replicas", type=int, default=None,
+                        metavar="N", help=f"with --replicas: autoscaling upper bound (env "
+                                          f"{env}MAX_REPLICAS; default 0 = --replicas)")
     return parser
