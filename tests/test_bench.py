@@ -3,6 +3,7 @@ GPU timings' sanity where a GPU is present."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -120,3 +121,38 @@ def test_gpu_bench_rows_and_breakdown(tiny_model_path, capsys):
     (b,) = d["breakdown"]
     assert b["launches"]["attention"] == 4 and b["launches"]["embed"] == 1
     assert 0 < sum(b["ops"].values()) <= b["total_ms"] * 1.01
+
+
+def test_batched_rows_cpu(tiny_model_path, capsys):
+    """--batched: llama-batched-bench's rows through the scheduler, with and without overlap."""
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", "--batched", "1,3", "--npp", "9",
+                   "--ntg", "5", "-r", "2", "--overlap", "both", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    rows = d["batched"]
+    assert [(r["npl"], r["overlap"]) for r in rows] == [(1, True), (1, False), (3, True), (3, False)]
+    for r in rows:
+        assert len(r["pp_s"]) == len(r["tg_s"]) == 2 and min(r["pp_s"] + r["tg_s"]) > 0
+        assert r["s_tg"] > 0 and r["s_pp"] > 0 and r["s_total"] > 0
+        assert r["step_wall_ms"] > 0 and r["step_device_ms"] is None          # no device clock
+        total = statistics.median(a + b for a, b in zip(r["pp_s"], r["tg_s"]))
+        assert r["s_total"] == pytest.approx(r["npl"] * 5 / total)
+        assert r["s_tg"] == pytest.approx(r["npl"] * 4 / statistics.median(r["tg_s"]))
+    rc = cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", "--batched", "2", "--npp", "9",
+                   "--ntg", "5", "-r", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "pp9+tg5 x2" in out and "S_TG t/s" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--batched", "2", "--breakdown"],       # the step breakdown needs the GPU backend
+    ["--batched", "0"],
+    ["--batched", "2", "--npp", "0"],
+    ["--batched", "2", "--ntg", "0"],
+    ["--batched", "2", "--max-batch-tokens", "0"],
+])
+def test_batched_bad_arguments(tiny_model_path, capsys, argv):
+    assert cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gguf-prefill bench: error:") and len(err.strip().splitlines()) == 1

@@ -57,6 +57,11 @@ def test_concurrent_requests_equal_alone(server, model):
     seqs = metric(m, "gguf_prefill_batch_sequences_sum")
     assert steps > 0 and seqs / steps > 1.5, (steps, seqs)      # steps served several sequences
     assert metric(m, "gguf_prefill_batch_tokens_sum") >= sum(len(p) for p in prompts)
+    # every step's wall time is observed; the CPU backend has no device clock
+    assert metric(m, "gguf_prefill_step_seconds_count", part="wall") == steps
+    assert metric(m, "gguf_prefill_step_seconds_sum", part="wall") > 0
+    assert metric(m, "gguf_prefill_step_seconds_count", part="device") == 0
+    assert 0 < metric(m, "gguf_prefill_step_seconds_count", part="interval") < steps
 
 
 def test_prefix_cache_reports_cached_tokens(server, model):
