@@ -78,6 +78,10 @@ class ReferenceBatch:
         if wanted:
             logits = self.model.logits_of(h[ends[wanted]])
             for j, i in enumerate(wanted):
-                out[i] = top_two(logits[j]) if entries[i].want == "argmax" else logits[j]
-                self._last[entries[i].slot] = int(np.argmax(logits[j]))
+                if entries[i].want == "argmax":
+                    out[i] = top_two(logits[j])
+                    self._last[entries[i].slot] = out[i][0]
+                else:
+                    out[i] = logits[j]
+                    self._last[entries[i].slot] = int(np.argmax(logits[j]))
         return out

@@ -365,14 +365,14 @@ def main_batched(args) -> int:
     rows, breakdowns = [], []
     modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.overlap]
     for npl in npls:
-        for overlap in modes:
-            row = bb.bench_batched(model, npl, args.npp, args.ntg, args.r, args.max_batch_tokens,
-                                   overlap=overlap)
-            rows.append(row)
+        npl_rows = [bb.bench_batched(model, npl, args.npp, args.ntg, args.r, args.max_batch_tokens, overlap=o)
+                    for o in modes]
+        for row in npl_rows:
             print(f"{row.test}: S_TG {row.s_tg:.1f} tok/s, S {row.s_total:.1f} tok/s", file=sys.stderr, flush=True)
-        if args.breakdown:
+        rows += npl_rows
+        if args.breakdown:            # beside the first mode's uninstrumented step time
             total, ops, counts = bb.breakdown_batched(model, npl, args.npp)
-            wall, _ = row.step_ms()
+            wall, _ = npl_rows[0].step_ms()
             breakdowns.append(Breakdown(f"decode step x{npl} @ d{args.npp}", total, wall, ops, counts))
     if args.json:
         out = {"model_filename": info.path, "model_type": info.label, "backend": _backend(model),

@@ -43,6 +43,14 @@ def merge_replica_metrics(texts: Mapping[str, str]) -> list[Metric]:
     return list(families.values())
 
 
+def _per_replica(name: str, documentation: str, values: Mapping[str, int]) -> Metric:
+    """A gauge family with one sample per replica."""
+    g = GaugeMetricFamily(PREFIX + name, documentation, labels=["replica"])
+    for rid, v in sorted(values.items()):
+        g.add_metric([rid], v)
+    return g
+
+
 class FrontMetrics:
     """The front's registry: the routing view (read from the router at scrape time), its own
     failure counter, and the replicas' families of the latest scrape."""
@@ -73,18 +81,10 @@ class FrontMetrics:
         for (rid, reason), v in sorted(routed.items()):
             c.add_metric([rid, reason], v)
         yield c
-        g = GaugeMetricFamily(PREFIX + "router_inflight",
-                              "Requests routed to each replica and not finished",
-                              labels=["replica"])
-        for rid, v in sorted(inflight.items()):
-            g.add_metric([rid], v)
-        yield g
-        b = GaugeMetricFamily(PREFIX + "router_cached_blocks",
-                              "Prompt blocks the router believes each replica holds",
-                              labels=["replica"])
-        for rid, v in sorted(cached.items()):
-            b.add_metric([rid], v)
-        yield b
+        yield _per_replica("router_inflight", "Requests routed to each replica and not finished",
+                           inflight)
+        yield _per_replica("router_cached_blocks",
+                           "Prompt blocks the router believes each replica holds", cached)
         yield GaugeMetricFamily(PREFIX + "replicas", "Live engine replicas (the router's view)",
                                 value=n)
         yield from self._replica_families
