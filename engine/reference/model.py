@@ -1,10 +1,18 @@
 """numpy reference forward for llama and qwen2 (the CPU backend and the whole-model oracle) and its
 KV cache; the float ops it runs are in engine/reference/ops.py.
 
-Float32 throughout (RoPE angles in float64, then rounded). Each weight matrix is dequantized once at
-load (the file's pages of it are then dropped from the process), or, past the f32_bytes budget,
-per forward in row chunks (same values, less memory, slower); token embeddings are dequantized
-per token at lookup, so no [vocab, d] float32 table is held for them.
+Float32 throughout (RoPE angles in float64, then rounded). Weight matrices are held one of three
+ways (Matrix):
+- resident float32, dequantized once at load (the file's pages of it are then dropped): models
+  whose float32 matrices fit in AUTO_F32_MAX (the tests' synthetic models), or up to an explicit
+  f32_bytes / GGUF_PREFILL_CPU_F32_GIB budget;
+- quantized: the file's q4_K / q6_K blocks through the compiled kernels of
+  engine/reference/qmatmul.py (numba), a fused product for steps of up to FUSED_MAX_T tokens and
+  chunks dequantized to the same float32 values for the same BLAS product above that. The
+  default for models past AUTO_F32_MAX (the default model: RSS ~1.5x the file instead of ~6x);
+- past an explicit budget, or without numba: dequantized per forward in row chunks by numpy
+  (same values, less memory, much slower).
+Token embeddings are dequantized per token at lookup, so no [vocab, d] float32 table is held.
 
     x = embed(ids)                                        # [n, d]
     per layer:
@@ -20,10 +28,12 @@ per token at lookup, so no [vocab, d] float32 table is held for them.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 import mmap
 import os
 import sys
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -31,11 +41,16 @@ import numpy as np
 from engine.errors import GGUFError
 from engine.formats.config import ModelConfig
 from engine.formats.gguf_file import TensorInfo
+from engine.formats.qtypes import qtype
 from engine.formats.rope import rope_tables
 from engine.formats.weights import LAYER_MATRICES, LAYER_NORMS, QKV_BIASES, ModelFile, layer_name, open_model
 from engine.reference.ops import ROW_CHUNK, apply_rope, causal_attention, dequantize_rows, rms_norm, silu
 
-__all__ = ["KVCache", "Matrix", "ReferenceModel"]
+__all__ = ["KVCache", "Matrix", "ReferenceModel", "AUTO_F32_MAX", "FUSED_MAX_T", "default_quantized"]
+
+AUTO_F32_MAX = 2**30        # float32 matrix bytes a model keeps resident by default; past it: quantized
+FUSED_MAX_T = 12            # steps of up to this many tokens take the fused kernel (measured, perf log)
+QUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time above FUSED_MAX_T (stays in cache)
 
 
 class KVCache:
@@ -70,34 +85,64 @@ _libc = None
 class Matrix:
     """One weight W [out, in] of the model, multiplied as h @ W.T.
 
-    Resident: its float32 rows, dequantized once at load (the file's pages of it are then
-    dropped from the process). Not resident: the file's blocks, dequantized per call ROW_CHUNK
-    rows at a time into one scratch buffer: the same float32 W rows through the same BLAS
-    product, at the cost of a dequantization per forward.
+    Resident (`w`): its float32 rows, dequantized once at load (the file's pages of it are then
+    dropped from the process). Quantized (`q`, an engine.reference.qmatmul.QuantMatrix over the
+    file's blocks): steps of up to FUSED_MAX_T tokens through the fused kernel (the weights never
+    written out; a token's results have the same bits whatever the step's size), larger ones
+    through chunks of QUANT_CHUNK_BYTES dequantized to the same float32 values as dequantize_rows
+    and the same BLAS product. Neither: the file's blocks, dequantized per call by numpy ROW_CHUNK
+    rows at a time (same W rows, same BLAS product, slow).
     """
 
-    def __init__(self, t: TensorInfo, resident: bool):
+    def __init__(self, t: TensorInfo, resident: bool, quant=None):
         self.tensor = t
         self.shape = t.shape
         self.w = dequantize_rows(t) if resident else None
+        self.q = None if resident else quant
         if resident:
             _page_out(t.data)
 
     @property
     def nbytes(self) -> int:
-        return self.w.nbytes if self.w is not None else self.tensor.n_bytes
+        if self.w is not None:
+            return self.w.nbytes
+        return self.q.nbytes if self.q is not None else self.tensor.n_bytes
 
     def matmul_t(self, h: np.ndarray) -> np.ndarray:
         """h [n, in] @ W.T -> float32 [n, out]."""
         if self.w is not None:
             return h @ self.w.T
+        if self.q is not None and h.shape[0] <= FUSED_MAX_T:
+            return self.q.matmul_t(h)
         rows, cols = self.shape
+        chunk = ROW_CHUNK if self.q is None else max(16, QUANT_CHUNK_BYTES // (4 * cols))
         out = np.empty((h.shape[0], rows), dtype=np.float32)
-        scratch = np.empty((min(ROW_CHUNK, rows), cols), dtype=np.float32)
-        for r in range(0, rows, ROW_CHUNK):
-            w = dequantize_rows(self.tensor, slice(r, r + ROW_CHUNK), out=scratch[:min(ROW_CHUNK, rows - r)])
+        scratch = np.empty((min(chunk, rows), cols), dtype=np.float32)
+        for r in range(0, rows, chunk):
+            w = scratch[:min(chunk, rows - r)]
+            if self.q is not None:
+                self.q.dequantize(r, w)
+            else:
+                dequantize_rows(self.tensor, slice(r, r + w.shape[0]), out=w)
             np.matmul(h, w.T, out=out[:, r:r + w.shape[0]])
         return out
+
+
+def default_quantized(f32_matrix_bytes: int, budget: int | None) -> bool:
+    """The default way to hold the matrices: quantized (True) when no float32 budget was given
+    and the model's matrices as float32 would take more than AUTO_F32_MAX bytes."""
+    return budget is None and f32_matrix_bytes > AUTO_F32_MAX
+
+
+def quant_kernels():
+    """engine.reference.qmatmul (imports numba), or None with one warning when numba is missing."""
+    try:
+        return importlib.import_module("engine.reference.qmatmul")
+    except ImportError as e:
+        warnings.warn(f"CPU backend: numba is not importable ({e}); quantized matrices are "
+                      "dequantized per forward by numpy instead (same results, much slower; "
+                      "pip install numba)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def f32_budget_from_env() -> int | None:
@@ -118,20 +163,33 @@ def f32_budget_from_env() -> int | None:
 class ReferenceModel:
     """The numpy backend. See the module docstring for the forward.
 
-    f32_bytes bounds the dequantized float32 weights kept in memory (None: every matrix, read
-    from the environment's GGUF_PREFILL_CPU_F32_GIB when that is set); matrices past the budget,
-    the last layers' first, are dequantized per forward instead (same values, slower).
+    quantized: hold the q4_K / q6_K matrices as the file's blocks behind the compiled kernels
+    (None: default_quantized, i.e. when no budget is given and the float32 matrices would pass
+    AUTO_F32_MAX). Otherwise f32_bytes bounds the dequantized float32 weights kept in memory
+    (None: read from GGUF_PREFILL_CPU_F32_GIB; unset there: every matrix); matrices past the
+    budget, the last layers' first, are dequantized per forward instead (same values, slower).
     """
 
     device = "cpu"
 
-    def __init__(self, model: ModelFile, f32_bytes: int | None = None):
+    def __init__(self, model: ModelFile, f32_bytes: int | None = None, quantized: bool | None = None):
         self.file = model
         self.config = cfg = model.config
         budget = f32_budget_from_env() if f32_bytes is None else f32_bytes
-        left = [float("inf") if budget is None else budget]
+        if quantized is None:
+            mats = [model.output_tensor] + [model.tensor(layer_name(i, role))
+                                            for i in range(cfg.n_layers) for role in LAYER_MATRICES]
+            quantized = default_quantized(sum(t.shape[0] * t.shape[1] * 4 for t in mats), budget)
+        kernels = quant_kernels() if quantized else None
+        if quantized and kernels is None:
+            budget = 0                      # numba missing: today's per-forward numpy path
+        self.quantized = kernels is not None
+        left = [float("inf") if budget is None or self.quantized else budget]
 
         def matrix(t: TensorInfo) -> Matrix:
+            kind = qtype(t.type_name).kind
+            if self.quantized and kind in kernels.KINDS:
+                return Matrix(t, False, kernels.QuantMatrix(kind, t.data))
             need = t.shape[0] * t.shape[1] * 4
             keep = need <= left[0]
             if keep:
