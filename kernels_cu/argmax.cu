@@ -51,6 +51,7 @@ __device__ __forceinline__ void am_block_argmax(const float* __restrict__ logits
 extern "C" __global__ void __launch_bounds__(AM_NT)
 argmax_step(const float* __restrict__ logits, int V, int* __restrict__ state,
             int* __restrict__ hist, int hist_cap, float* __restrict__ best) {
+    pdl_entry_trigger();
     __shared__ float sv[AM_NT];
     __shared__ int si[AM_NT];
     am_block_argmax(logits, V, sv, si);
@@ -69,6 +70,7 @@ argmax_step(const float* __restrict__ logits, int V, int* __restrict__ state,
 extern "C" __global__ void __launch_bounds__(AM_NT)
 argmax_rows(const float* __restrict__ logits, int V, long long ld, int* __restrict__ ids,
             float* __restrict__ best) {
+    pdl_entry();
     __shared__ float sv[AM_NT];
     __shared__ int si[AM_NT];
     const int r = blockIdx.x;

@@ -256,6 +256,7 @@ __device__ __forceinline__ void attn_split_body(
                                      long long head_stride, const int* __restrict__ pos_ptr,   \
                                      float scale, float* __restrict__ part_o,                  \
                                      float2* __restrict__ part_ml) {                           \
+        pdl_entry_trigger();                                                                   \
         attn_split_body<HD, G, KVT>(q, kc, vc, tok_stride, head_stride, pos_ptr, scale,        \
                                     part_o, part_ml);                                          \
     }
@@ -287,6 +288,7 @@ __device__ __forceinline__ void attn_combine_body(
     attn_combine_h##HD(const float* __restrict__ part_o, const float2* __restrict__ part_ml,   \
                        int S, float* __restrict__ out, i8* __restrict__ oq,                    \
                        float2* __restrict__ ods) {                                             \
+        pdl_entry_trigger();                                                                   \
         attn_combine_body<HD>(part_o, part_ml, S, out, oq, ods);                               \
     }
 
@@ -323,6 +325,7 @@ __device__ __forceinline__ void attn_split_varlen_body(
                                    const u16* __restrict__ vc, const int4* __restrict__ rows,  \
                                    int T, int maxT, float* __restrict__ part_o,                \
                                    float2* __restrict__ part_ml) {                             \
+        pdl_entry();                                                                           \
         attn_split_varlen_body<HD, G>(Q, kc, vc, rows, T, maxT, part_o, part_ml);              \
     }
 
@@ -351,6 +354,7 @@ __device__ __forceinline__ void attn_combine_varlen_body(
     attn_combine_varlen_h##HD(const float* __restrict__ part_o, const float2* __restrict__ part_ml, \
                               const int4* __restrict__ rows, int S, float* __restrict__ out,   \
                               i8* __restrict__ oq, float2* __restrict__ ods) {                 \
+        pdl_entry();                                                                           \
         attn_combine_varlen_body<HD>(part_o, part_ml, rows, S, out, oq, ods);                  \
     }
 

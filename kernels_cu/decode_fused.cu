@@ -29,6 +29,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 decode_embed(const u8* __restrict__ W, long long row_bytes, int wtype, int bstride,
              const int* __restrict__ state, float* __restrict__ x, int K) {
+    pdl_entry_trigger();
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= K) return;
     const u8* row = W + (size_t)__ldg(state) * (size_t)row_bytes;
@@ -71,6 +72,7 @@ decode_embed(const u8* __restrict__ W, long long row_bytes, int wtype, int bstri
 extern "C" __global__ void __launch_bounds__(RMS_NT)
 rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, int K,
            i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout) {
+    pdl_entry_trigger();
     __shared__ float red[RMS_NT / 32];
     __shared__ float rscale;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -101,6 +103,7 @@ rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, 
 
 extern "C" __global__ void __launch_bounds__(256)
 quantize_row_q8(const float* __restrict__ x, i8* __restrict__ q, float2* __restrict__ ds, int nblk) {
+    pdl_entry_trigger();
     const int blk = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (blk >= nblk) return;                   // whole warps only
     const int k = blk * 32 + (threadIdx.x & 31);
@@ -162,6 +165,7 @@ __device__ __forceinline__ void qkv_post_body(
                     const int* __restrict__ state, float* __restrict__ qrot,                   \
                     void* __restrict__ kc, void* __restrict__ vc, long long tok_stride,        \
                     long long head_stride, int H, int KVH, int HD, int neox) {                 \
+        pdl_entry_trigger();                                                                   \
         qkv_post_body<F16>(qkv, bias, rcos, rsin, state, qrot, kc, vc, tok_stride,             \
                            head_stride, H, KVH, HD, neox);                                     \
     }
@@ -173,6 +177,7 @@ QKV_POST_INSTANCE(true, f16)
 
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out, int n) {
+    pdl_entry_trigger();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const float gv = g[i];
@@ -181,6 +186,7 @@ swiglu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __re
 }
 
 extern "C" __global__ void set_state(int* __restrict__ state, int token, int pos, int count) {
+    pdl_entry_trigger();
     if (threadIdx.x == 0) {
         state[0] = token;
         state[1] = pos;

@@ -14,12 +14,14 @@
 
 extern "C" __global__ void __launch_bounds__(256)
 record_last(const int* __restrict__ chosen, const int* __restrict__ slot, int* __restrict__ last, int S) {
+    pdl_entry();
     const int j = blockIdx.x * 256 + threadIdx.x;
     if (j < S && slot[j] >= 0) last[slot[j]] = chosen[j];
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 resolve_follow(int* __restrict__ ids, const int* __restrict__ last, int T) {
+    pdl_entry();
     const int t = blockIdx.x * 256 + threadIdx.x;
     if (t < T && ids[t] < 0) ids[t] = last[-ids[t] - 1];
 }

@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K,
          int split0, int parts, float* __restrict__ Wsp, u32* __restrict__ Cnt) {
+    pdl_entry();
     static_assert(TCMIN == 1, "the per-block min term (TCMIN = 0) was retired: dev/RETIRED.md");
     using S = MmqShape<MT, NT, WM, WN, KS>;
     using L = Q4KLayout<MT, NT, WM, WN, KS>;

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB)
 mmq_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
          float* __restrict__ Y, int T, int N, int K, int bstride,
          int split0, int parts, float* __restrict__ Wsp, u32* __restrict__ Cnt) {
+    pdl_entry();
     using S = MmqShape<MT, NT, WM, WN, KS>;
     using L = Q6KLayout<MT, NT, WM, WN, KS>;
     constexpr int NTH = S::NTH, BM = S::BM, BN = S::BN, NC = S::NC;

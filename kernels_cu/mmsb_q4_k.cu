@@ -129,5 +129,6 @@ __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
+    pdl_entry();
     sb_gemm<NTT, SB4_PAD, SB4_DEPTH, 144, Q4Body<NTT>>(W, Aq, Ads, Y, T, N, K, ch, parts, Wsp, Cnt);
 }

@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
+    pdl_entry();
     sb_gemm<NTT, SB6_PAD, SB6_DEPTH, PADDED ? 224 : 210, Q6Body<NTT, PADDED>>(W, Aq, Ads, Y, T, N, K, ch, parts,
                                                                               Wsp, Cnt);
 }

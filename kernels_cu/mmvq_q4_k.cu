@@ -103,6 +103,8 @@ __device__ __forceinline__ void mmvq_q4_k_body(
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 
+    pdl_entry_trigger();
+
     // one super-block slot per iteration, the compiler unrolls by two
 #pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4) {

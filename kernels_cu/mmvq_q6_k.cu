@@ -114,6 +114,8 @@ __device__ __forceinline__ void mmvq_q6_k_body(
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 
+    pdl_entry_trigger();
+
     // one block per iteration, the compiler unrolls by two
 #pragma unroll 2
     for (int b = lane >> 2; b < nb; b += 8) {

@@ -14,6 +14,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 q6k_expand_check(const u8* __restrict__ padded, const u8* __restrict__ raw, i8* __restrict__ out_closed,
                  i8* __restrict__ out_raw, int nblocks) {
+    pdl_entry();
     const int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= nblocks * 4) return;
     const int b = u >> 2, h = (u >> 1) & 1, l0b = u & 1, l0 = 16 * l0b;

@@ -19,6 +19,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 quantize_q8_1(const float* __restrict__ x, i8* __restrict__ q, float2* __restrict__ ds,
               long long nblk) {
+    pdl_entry();
     const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (gw >= nblk) return;                    // whole warps only (blockDim % 32 == 0)

@@ -24,6 +24,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
 add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                  i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout,
                  int K, float eps) {
+    pdl_entry();
     __shared__ float red[RN_THREADS / 32];
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int K4 = K >> 2;

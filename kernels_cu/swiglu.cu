@@ -20,6 +20,7 @@ __device__ __forceinline__ float sw_silu_mul(float g, float u) {
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F,
             i8* __restrict__ q, float2* __restrict__ ds, long long n4) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // float4 index
     const int lane = threadIdx.x & 31;
     const bool ok = i < n4;                       // n4 = T*F/4; all lanes reach the shuffles

@@ -59,6 +59,9 @@ def test_compiles_for_sm90(fname, capsys):
             print("  " + r.line())
     for r in res:
         assert r.registers > 0
+        # launched programmatically in captured graphs (engine/gpu/launch.py): every entry must
+        # wait for its predecessor grid before it touches global memory (common.cuh pdl_entry)
+        assert r.pdl_wait, f"{fname}: {r.name} has no griddepcontrol.wait (pdl_entry() missing)"
 
 
 def test_smem_fits_sm90():

@@ -6,8 +6,9 @@ float numerics) and the other kernels_cu headers it uses; each `#include "X.cuh"
 header is replaced, recursively and once per header, by the header's text between `#line` directives, so compiler messages name the real file and line, no include
 path is needed, and CuPy's source-keyed kernel cache sees header edits.
 
-Run time: `get_kernel(file, name)` -> cupy.RawKernel, compiled on first use for the current
-device with `-arch` from the device (CuPy picks sm_XX from its compute capability and adds
+Run time: `get_kernel(file, name)` -> engine.gpu.launch.Kernel (a cupy.RawKernel that launches
+programmatically inside launch.capture_graph), compiled on first use for the current device
+with `-arch` from the device (CuPy picks sm_XX from its compute capability and adds
 `-ftz=true --device-as-default-execution-space`). Template kernels are instantiated through
 `name_expressions`; engine.gpu.registry.INSTANCES lists every production instance.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kernels_cu
+from engine.gpu.launch import Kernel
 # The production instances and the MMQ tile names / configurations live in engine.gpu.registry
 # (a leaf module); re-exported here for the launchers and tests.
 from engine.gpu.registry import (  # noqa: F401
@@ -128,9 +130,10 @@ def get_module(fname: str, instance: str | None = None):
     return mod
 
 
-def get_kernel(fname: str, name: str, dynamic_smem: int = 0):
-    """cupy.RawKernel `name` of kernels_cu/<fname> for the current device; raises the dynamic
-    shared-memory limit to `dynamic_smem` when that is over the 48 KB default."""
+def get_kernel(fname: str, name: str, dynamic_smem: int = 0) -> Kernel:
+    """Kernel `name` of kernels_cu/<fname> for the current device (engine.gpu.launch.Kernel: a
+    cupy.RawKernel that launches programmatically inside launch.capture_graph); raises the
+    dynamic shared-memory limit to `dynamic_smem` when that is over the 48 KB default."""
     import cupy
 
     dev = cupy.cuda.Device().id
@@ -138,7 +141,7 @@ def get_kernel(fname: str, name: str, dynamic_smem: int = 0):
     k = _kernels.get(key)
     if k is None:
         mod = get_module(fname, name if "<" in name else None)
-        k = mod.get_function(name)
+        k = Kernel(mod.get_function(name))
         _kernels[key] = k
     if dynamic_smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < dynamic_smem:
         k.max_dynamic_shared_size_bytes = dynamic_smem
@@ -155,10 +158,11 @@ class Resources:
     stack: int
     spill_stores: int
     spill_loads: int
+    pdl_wait: bool = False     # the entry's PTX has griddepcontrol.wait (common.cuh pdl_entry)
 
     def line(self) -> str:
         return (f"{self.file:22s} {self.name:34s} regs {self.registers:4d}  stack {self.stack:5d} B"
-                f"  spill st/ld {self.spill_stores}/{self.spill_loads} B")
+                f"  spill st/ld {self.spill_stores}/{self.spill_loads} B" + ("" if self.pdl_wait else "  NO PDL WAIT"))
 
 
 class NVRTCMissing(RuntimeError):
@@ -200,9 +204,22 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     return res
 
 
+def ptx_entries_waiting(ptx: str) -> set[str]:
+    """Names of the PTX entry functions whose body has griddepcontrol.wait."""
+    out, cur = set(), None
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:\.(?:visible|weak)\s+)*\.entry\s+([\w$]+)", line)
+        if m:
+            cur = m.group(1)
+        elif cur is not None and "griddepcontrol.wait" in line:
+            out.add(cur)
+    return out
+
+
 def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> list[Resources]:
     """Compile every kernel file (or `files`) for `arch` with NVRTC on the CPU; raise
-    RuntimeError with the compiler log on a compile error; return per-instance resources."""
+    RuntimeError with the compiler log on a compile error; return per-instance resources
+    (and whether each entry waits for its predecessor grid: Resources.pdl_wait)."""
     nvrtc = _nvrtc()
     out: list[Resources] = []
     for fname in files or kernel_files():
@@ -219,18 +236,21 @@ def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> li
                 raise RuntimeError(f"{fname}: NVRTC compile failed: {e}\n{nvrtc.getProgramLog(prog)}") from e
             log = nvrtc.getProgramLog(prog)
             usage = parse_ptxas_log(log)
+            ptx = nvrtc.getPTX(prog)
+            waiting = ptx_entries_waiting(ptx.decode() if isinstance(ptx, bytes) else ptx)
             if not names:   # no listed instances: report every entry function ptxas built
                 for lowered, u in sorted(usage.items()):
                     if "registers" in u:
                         out.append(Resources(fname, lowered, u["registers"], u.get("stack", 0),
-                                             u.get("spill_stores", 0), u.get("spill_loads", 0)))
+                                             u.get("spill_stores", 0), u.get("spill_loads", 0),
+                                             lowered in waiting))
             for n in names:
                 lowered = nvrtc.getLoweredName(prog, n)
                 u = usage.get(lowered)
                 if u is None or "registers" not in u:
                     raise RuntimeError(f"{fname}: no ptxas usage for {n} ({lowered}) in log:\n{log}")
                 out.append(Resources(fname, n, u["registers"], u.get("stack", 0),
-                                     u.get("spill_stores", 0), u.get("spill_loads", 0)))
+                                     u.get("spill_stores", 0), u.get("spill_loads", 0), lowered in waiting))
         finally:
             nvrtc.destroyProgram(prog)
     return out
