@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from engine.formats import quants as Q
+from engine.gpu.launch import capture_graph
 from engine.reference.mmq import abs_terms, error_bound, mmq_reference, random_blocks
 
 # (kind, N, K): llama2-7b linear layers (q4_K_M puts q6_K on attn_v / ffn_down in some layers
@@ -108,13 +109,7 @@ class GraphTimer:
             for c in range(n_copies):            # compile, workspaces
                 launch(c)
             s.synchronize()
-            s.begin_capture()
-            try:
-                for c in range(n_copies):
-                    launch(c)
-            finally:
-                g = s.end_capture()
-            g.upload(s)
+            g = capture_graph(s, lambda: [launch(c) for c in range(n_copies)])
             ts = []
             for r in range(self.reps + 1):
                 self.e0.record(s)

@@ -38,6 +38,7 @@ import numpy as np
 from engine.errors import GGUFError
 from engine.gpu import ops
 from engine.gpu.kv_cache import GPUKVCache
+from engine.gpu.launch import capture_graph
 from engine.gpu.prefill_graph import GRAPH_MAX_TOKENS, UbatchBuffers
 
 PAD_ROWS = GRAPH_MAX_TOKENS         # cache rows for padding tokens (at most T - 1 of them)
@@ -340,14 +341,7 @@ class GPUBatch:
             sb.enqueue(self)                       # loads the kernels, sizes the split workspace
             s = cp.cuda.Stream(non_blocking=True)
             s.wait_event(cp.cuda.get_current_stream().record())
-            with s:
-                s.begin_capture()
-                try:
-                    sb.enqueue(self)
-                finally:
-                    g = s.end_capture()
-            g.upload(s)
-            s.synchronize()
-            sb.graph, sb.tables = g, (self.model._rope_cos, self.model._rope_sin)
+            sb.graph = capture_graph(s, lambda: sb.enqueue(self))
+            sb.tables = (self.model._rope_cos, self.model._rope_sin)
             return                                 # the eager run already computed this step
         sb.graph.launch(cp.cuda.get_current_stream())

@@ -40,6 +40,7 @@ import numpy as np
 
 from engine.errors import GGUFError
 from engine.gpu import kernels
+from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
 from engine.gpu.ops.mmvq import mmvq_launch
 
@@ -197,16 +198,7 @@ class DecodeStep:
         """Record enqueue() into a CUDA graph (kernels must already be loaded: one eager step
         first, which `launch` does)."""
         t0 = time.perf_counter()
-        s = self.stream
-        with s:
-            s.begin_capture()
-            try:
-                self.enqueue()
-            finally:
-                g = s.end_capture()
-        g.upload(s)
-        s.synchronize()
-        self.graph = g
+        self.graph = capture_graph(self.stream, self.enqueue)
         self.times.graph_build_ms = (time.perf_counter() - t0) * 1e3
         self.times.captures += 1
 

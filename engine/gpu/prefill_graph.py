@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.gpu.launch import capture_graph
+
 GRAPH_MAX_TOKENS = 128
 GRAPHS_PER_CACHE = 8
 
@@ -102,15 +104,7 @@ class PrefillGraph:
         cp = _cp()
         m, s = self.model, self.stream
         s.wait_event(cp.cuda.get_current_stream().record())
-        with s:
-            s.begin_capture()
-            try:
-                m.run_layers(self.bufs, self.ids, 0, self.cache, start_dev=self.pos)
-            finally:
-                g = s.end_capture()
-        g.upload(s)
-        s.synchronize()
-        self.graph = g
+        self.graph = capture_graph(s, lambda: m.run_layers(self.bufs, self.ids, 0, self.cache, start_dev=self.pos))
         self.tables = (m._rope_cos, m._rope_sin)
 
 

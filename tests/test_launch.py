@@ -1,0 +1,46 @@
+"""engine/gpu/launch.py on the CPU: the driver structs' layout and the kernel-argument marshalling
+(the launches themselves run in the GPU suites, inside every captured graph)."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from engine.gpu import launch
+
+
+def test_driver_struct_layout():
+    # cuda.h (CUDA 12+): CUlaunchAttribute {id; pad[4]; value (64-byte union)}, CUlaunchConfig
+    # {gridDim xyz, blockDim xyz, sharedMemBytes, hStream, attrs, numAttrs}
+    assert ctypes.sizeof(launch._AttrValue) == 64
+    assert ctypes.sizeof(launch._Attr) == 72 and launch._Attr.value.offset == 8
+    assert launch._Config.shared_mem.offset == 24
+    assert launch._Config.stream.offset == 32
+    assert launch._Config.attrs.offset == 40
+    assert launch._Config.n_attrs.offset == 48
+    assert ctypes.sizeof(launch._Config) == 56
+
+
+def test_dims():
+    assert launch._dims(7) == (7, 1, 1)
+    assert launch._dims((3, 4)) == (3, 4, 1)
+    assert launch._dims(np.int64(5)) == (5, 1, 1)
+    with pytest.raises(ValueError):
+        launch._dims(())
+
+
+def test_scalar_arguments_keep_their_width():
+    pytest.importorskip("cupy")
+    cases = [(np.int32(-3), ctypes.c_int32, -3), (np.int64(1 << 40), ctypes.c_int64, 1 << 40),
+             (np.uint32(7), ctypes.c_uint32, 7), (np.float32(1.5), ctypes.c_float, 1.5),
+             (np.uintp(0), ctypes.c_size_t, 0), (5, ctypes.c_int64, 5), (2.5, ctypes.c_double, 2.5)]
+    for value, ctype, expect in cases:
+        v = launch.c_arg(value)
+        assert ctypes.sizeof(v) == ctypes.sizeof(ctype), value
+        assert v.value == expect
+    with pytest.raises(TypeError, match="kernel argument of type str"):
+        launch.c_arg("x")
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("GGUF_PREFILL_PDL", "0")
+    assert launch.pdl_enabled() is False
