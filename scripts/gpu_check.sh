@@ -7,7 +7,8 @@
 #   server test): pip download gguf fastapi uvicorn httpx --only-binary=:all: \
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
-#   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode); add a section by writing a function
+#   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
+#   llama, batched, splits, profile, ab); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -110,7 +111,8 @@ step_perf() {
   timeout 420 python3 -m engine bench --model "$m" --device gpu -p "${PERF_PP:-1,8,16,32,64,128,512,3314}" -n 128 -r "${PERF_REPS:-5}" \
       --json > "$OUT/perf.json" 2> "$OUT/perf.err"
   local rc=$?
-  tr '\r' '\n' < "$OUT/perf.err" | grep -v '^$' | tail -8
+  tr '\r' '\n' < "$OUT/perf.err" | grep -v '^$' | grep -v "^loading" | tail -3
+  python3 -c "import json, sys; [print(f\"{r['test']}: median {r['median_ts']:.1f} tok/s\") for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/perf.json"
   return $rc
 }
 
@@ -201,6 +203,25 @@ step_profile() {
       python3 scripts/kern_summary.py "$OUT/kern_$npl$bps.csv" 1 "x$npl ${bps:+blocks/SM $bps}" | head -${PROFILE_LINES:-14}
     done
   done
+}
+
+# Same-call A/B: AB_STEPS (default "perf") run once per environment of AB_SETS (';'-separated
+# sets of VAR=value assignments, default "GGUF_PREFILL_PDL=0;GGUF_PREFILL_PDL=1"), the sets
+# alternating AB_ROUNDS times; each run's files go to /tmp/ab/<set index>_<round> (not brought back).
+step_ab() {
+  local out0="$OUT" rc=0 r i s sets
+  IFS=';' read -ra sets <<< "${AB_SETS:-GGUF_PREFILL_PDL=0;GGUF_PREFILL_PDL=1}"
+  for r in $(seq 1 "${AB_ROUNDS:-1}"); do
+    for i in "${!sets[@]}"; do
+      for s in ${AB_STEPS:-perf}; do
+        echo "--- round $r: $s with ${sets[$i]}"
+        OUT="/tmp/ab/${i}_$r"; mkdir -p "$OUT"
+        ( export ${sets[$i]}; "step_$s" ) || rc=1
+      done
+    done
+  done
+  OUT="$out0"
+  return $rc
 }
 
 # llama.cpp, built in the background at the top of the call (LLAMA=1): wait for it (bounded).
