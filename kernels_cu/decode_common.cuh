@@ -7,6 +7,9 @@
 #pragma once
 
 #define MMVQ_NW 4
+#ifndef MMVQ_UNROLL
+#define MMVQ_UNROLL 2     // loop iterations (super-block slots) a lane keeps in flight
+#endif
 
 // 16-byte weight load that skips L1 (each weight byte is used once). GGP_EMU: the CPU
 // emulator of tests/cuda_emu (plain C++ in place of PTX).

@@ -106,7 +106,7 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     pdl_entry_trigger();
 
     // one super-block slot per iteration, the compiler unrolls by two
-#pragma unroll 2
+#pragma unroll MMVQ_UNROLL
     for (int sb = lane >> 3; sb < nb; sb += 4) {
         const int g0 = sb * 8 + 2 * c;
         const uint4 xa = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));

@@ -117,7 +117,7 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     pdl_entry_trigger();
 
     // one block per iteration, the compiler unrolls by two
-#pragma unroll 2
+#pragma unroll MMVQ_UNROLL
     for (int b = lane >> 2; b < nb; b += 8) {
         uint4 x[4];
         float d8[4];

@@ -44,3 +44,15 @@ def test_scalar_arguments_keep_their_width():
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("GGUF_PREFILL_PDL", "0")
     assert launch.pdl_enabled() is False
+
+
+def test_kernel_defines(monkeypatch):
+    from engine.gpu import kernels
+
+    monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
+    assert kernels.kernel_defines() == ()
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 GGP_FLAG")
+    assert kernels.kernel_defines() == ("-DMMVQ_UNROLL=4", "-DGGP_FLAG")
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "X=1;rm")
+    with pytest.raises(ValueError, match="GGUF_PREFILL_KERNEL_DEFINES: 'X=1;rm'"):
+        kernels.kernel_defines()

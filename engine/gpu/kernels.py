@@ -18,6 +18,7 @@ usage per instance (registers, stack frame, spill bytes).
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,18 @@ def _inline(path: Path, out: list[str], seen: set[str]) -> None:
 
 # ----------------------------------------------------------------------------- run time
 
+def kernel_defines() -> tuple[str, ...]:
+    """GGUF_PREFILL_KERNEL_DEFINES="NAME=VALUE ..." -> NVRTC -D options: compile-time variants
+    of a kernel measured side by side in one device call (gpu_check.sh step ab); unset in
+    production. A malformed entry raises ValueError naming it."""
+    out = []
+    for item in os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", "").split():
+        if not re.fullmatch(r"[A-Za-z_]\w*(=[\w.+-]+)?", item):
+            raise ValueError(f"GGUF_PREFILL_KERNEL_DEFINES: {item[:60]!r} is not NAME or NAME=VALUE")
+        out.append(f"-D{item}")
+    return tuple(out)
+
+
 _modules: dict[tuple[int, str, str], object] = {}
 _kernels: dict[tuple[int, str, str], object] = {}
 
@@ -124,7 +137,8 @@ def get_module(fname: str, instance: str | None = None):
     mod = _modules.get(key)
     if mod is None:
         names = [instance] if instance else list(INSTANCES.get(fname, ()))
-        mod = cupy.RawModule(code=source(fname), options=OPTIONS, name_expressions=names or None)
+        mod = cupy.RawModule(code=source(fname), options=OPTIONS + kernel_defines(),
+                             name_expressions=names or None)
         mod.compile()
         _modules[key] = mod
     return mod
@@ -229,7 +243,7 @@ def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> li
         try:
             for n in names:
                 nvrtc.addNameExpression(prog, n)
-            opts = OPTIONS + CUPY_ADDED_OPTIONS + (f"-arch={arch}", "--ptxas-options=-v")
+            opts = OPTIONS + kernel_defines() + CUPY_ADDED_OPTIONS + (f"-arch={arch}", "--ptxas-options=-v")
             try:
                 nvrtc.compileProgram(prog, list(opts))
             except Exception as e:
