@@ -6,10 +6,11 @@ ways (Matrix):
 - resident float32, dequantized once at load (the file's pages of it are then dropped): models
   whose float32 matrices fit in AUTO_F32_MAX (the tests' synthetic models), or up to an explicit
   f32_bytes / GGUF_PREFILL_CPU_F32_GIB budget;
-- quantized: the file's q4_K / q6_K blocks through the compiled kernels of
-  engine/reference/qmatmul.py (numba), a fused product for steps of up to FUSED_MAX_T tokens and
-  chunks dequantized to the same float32 values for the same BLAS product above that. The
-  default for models past AUTO_F32_MAX (the default model: RSS ~1.5x the file instead of ~6x);
+- quantized: q4_K / q6_K matrices through the compiled kernels of engine/reference/qmatmul.py
+  (numba; q4_K read from the file's blocks, q6_K from an int8 copy of its quants), a fused
+  product for steps of up to FUSED_MAX_T tokens, chunks dequantized to the same float32 values
+  and a BLAS product above that. The default for models past AUTO_F32_MAX (the default model:
+  RSS 1.5x the file instead of 5.7x, faster decode);
 - past an explicit budget, or without numba: dequantized per forward in row chunks by numpy
   (same values, less memory, much slower).
 Token embeddings are dequantized per token at lookup, so no [vocab, d] float32 table is held.
@@ -49,7 +50,7 @@ from engine.reference.ops import ROW_CHUNK, apply_rope, causal_attention, dequan
 __all__ = ["KVCache", "Matrix", "ReferenceModel", "AUTO_F32_MAX", "FUSED_MAX_T", "default_quantized"]
 
 AUTO_F32_MAX = 2**30        # float32 matrix bytes a model keeps resident by default; past it: quantized
-FUSED_MAX_T = 12            # steps of up to this many tokens take the fused kernel (measured, perf log)
+FUSED_MAX_T = 6             # steps of up to this many tokens take the fused kernel (measured, perf log)
 QUANT_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time above FUSED_MAX_T (stays in cache)
 
 
@@ -86,12 +87,13 @@ class Matrix:
     """One weight W [out, in] of the model, multiplied as h @ W.T.
 
     Resident (`w`): its float32 rows, dequantized once at load (the file's pages of it are then
-    dropped from the process). Quantized (`q`, an engine.reference.qmatmul.QuantMatrix over the
-    file's blocks): steps of up to FUSED_MAX_T tokens through the fused kernel (the weights never
-    written out; a token's results have the same bits whatever the step's size), larger ones
-    through chunks of QUANT_CHUNK_BYTES dequantized to the same float32 values as dequantize_rows
-    and the same BLAS product. Neither: the file's blocks, dequantized per call by numpy ROW_CHUNK
-    rows at a time (same W rows, same BLAS product, slow).
+    dropped from the process). Quantized (`q`, an engine.reference.qmatmul.QuantMatrix; the
+    file's pages are dropped when it holds its own copy of the quants): steps of up to
+    FUSED_MAX_T tokens through the fused kernel (the weights never written out; a token's results
+    have the same bits whatever the step's size), larger ones through chunks of QUANT_CHUNK_BYTES
+    dequantized to the same float32 values as dequantize_rows and a BLAS product. Neither: the
+    file's blocks, dequantized per call by numpy ROW_CHUNK rows at a time (same W rows, same BLAS
+    product as resident, slow).
     """
 
     def __init__(self, t: TensorInfo, resident: bool, quant=None):
@@ -99,7 +101,7 @@ class Matrix:
         self.shape = t.shape
         self.w = dequantize_rows(t) if resident else None
         self.q = None if resident else quant
-        if resident:
+        if resident or (quant is not None and not quant.reads_file):
             _page_out(t.data)
 
     @property
@@ -112,20 +114,29 @@ class Matrix:
         """h [n, in] @ W.T -> float32 [n, out]."""
         if self.w is not None:
             return h @ self.w.T
-        if self.q is not None and h.shape[0] <= FUSED_MAX_T:
-            return self.q.matmul_t(h)
+        if self.q is not None:
+            return self.q.matmul_t(h) if h.shape[0] <= FUSED_MAX_T else self._chunks_t(h)
         rows, cols = self.shape
-        chunk = ROW_CHUNK if self.q is None else max(16, QUANT_CHUNK_BYTES // (4 * cols))
         out = np.empty((h.shape[0], rows), dtype=np.float32)
-        scratch = np.empty((min(chunk, rows), cols), dtype=np.float32)
-        for r in range(0, rows, chunk):
-            w = scratch[:min(chunk, rows - r)]
-            if self.q is not None:
-                self.q.dequantize(r, w)
-            else:
-                dequantize_rows(self.tensor, slice(r, r + w.shape[0]), out=w)
+        scratch = np.empty((min(ROW_CHUNK, rows), cols), dtype=np.float32)
+        for r in range(0, rows, ROW_CHUNK):
+            w = dequantize_rows(self.tensor, slice(r, r + ROW_CHUNK), out=scratch[:min(ROW_CHUNK, rows - r)])
             np.matmul(h, w.T, out=out[:, r:r + w.shape[0]])
         return out
+
+    def _chunks_t(self, h: np.ndarray) -> np.ndarray:
+        """Quantized, many tokens: chunks of QUANT_CHUNK_BYTES rows dequantized (the float32
+        values of dequantize_rows) and multiplied as w @ h.T into [rows, n] (OpenBLAS is ~30%
+        faster that way round than h @ w.T at prompt sizes, which pays for the dequantization)."""
+        rows, cols = self.shape
+        chunk = max(64, QUANT_CHUNK_BYTES // (4 * cols))
+        ht = np.ascontiguousarray(h.T, dtype=np.float32)
+        out_t = np.empty((rows, h.shape[0]), dtype=np.float32)
+        scratch = np.empty((min(chunk, rows), cols), dtype=np.float32)
+        for r in range(0, rows, chunk):
+            w = self.q.dequantize(r, scratch[:min(chunk, rows - r)])
+            np.matmul(w, ht, out=out_t[r:r + w.shape[0]])
+        return np.ascontiguousarray(out_t.T)
 
 
 def default_quantized(f32_matrix_bytes: int, budget: int | None) -> bool:

@@ -1,19 +1,21 @@
 """Compiled (numba) q4_K / q6_K kernels for the CPU backend's quantized matrices
-(engine.reference.model.Matrix): the weights stay in the file's blocks and are never all held
-as float32.
+(engine.reference.model.Matrix): the weights are never all held as float32.
 
     q = QuantMatrix(kind, blocks)     kind "q4_k" | "q6_k" (QuantType.kind); blocks: uint8
                                       [rows, K / 256 * block_bytes], the file's mapping
     q.dequantize(r0, out)             W[r0 : r0 + len(out)] as float32, bit-identical to
                                       engine.reference.ops.dequantize_rows (prompts: a chunk of
-                                      rows, then the same BLAS product as a resident matrix)
+                                      rows, then a BLAS product)
     q.matmul_t(h)                     h [T, K] @ W.T -> float32 [T, rows] without writing W:
-                                      each block's weights are formed in registers/L1 (the same
-                                      float32 values) and multiplied at once (decode, small steps)
+                                      each block's weights are formed in registers / L1 (the
+                                      same float32 values) and multiplied at once (decode, small
+                                      steps)
 
 At construction each block's sub-block scales are decoded once into float32 (`scales`, 64 bytes
-per 256 weights: q4_K d*sc_j and dmin*m_j, q6_K d*sc_i), so the kernels' inner loops read
-only the quants. Block layouts: engine/formats/quants.py.
+per 256 weights: q4_K d*sc_j and dmin*m_j, q6_K d*sc_i). q4_K quants are read in place from
+the file's blocks; q6_K quants are unpacked once to int8 (`quants`, 256 bytes per 256 weights
+instead of 210: unpacking the 6-bit fields per call cost as much as the rest of the product).
+Block layouts: engine/formats/quants.py.
 
 Numerics. A weight is formed exactly as numpy does (q4_K: (d*sc)*q - (dmin*m), q6_K: (d*sc)*q,
 every product and difference rounded to float32; fastmath is off, so LLVM contracts nothing into
@@ -24,9 +26,14 @@ the 16 in turn). That order depends on K alone: a token's outputs have the same 
 and whichever tokens share the call (the single-token and the T-token kernels agree bit for
 bit). It is not BLAS's order: results differ from h @ dequantize_rows(W).T by float32 rounding.
 
+Integer work is written in int32 throughout (an int64 intermediate makes LLVM convert 64-bit
+lanes to float, half the vector width), and each inner loop covers a whole block (32 lanes x 8
+sub-blocks for q4_K, 16 x 16 for q6_K): loops of one sub-block spent as much in setup as in
+arithmetic (measured, docs/perf-log.md).
+
 Importing this module imports numba, an optional dependency: engine.reference.model imports it
 only for quantized matrices. Compiled code is cached beside this file (cache=True); the first
-call in a fresh checkout compiles the kernels (tens of seconds).
+use in a fresh checkout compiles the kernels (about a minute on 2 cores).
 """
 from __future__ import annotations
 
@@ -53,9 +60,6 @@ def f16_table() -> np.ndarray:
         _F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     return _F16
 
-
-# Integer work stays in int32 throughout: an int64 intermediate makes LLVM convert 64-bit lanes
-# to float (half the vector width).
 
 @njit(inline="always")
 def _u(a, i):
@@ -102,89 +106,121 @@ def _scales_q6k(blocks, f16, out):
                 o[i] = d * np.float32(np.int8(bq[192 + i]))
 
 
+@njit(parallel=True, cache=True)
+def _expand_q6k(blocks, out):
+    """out int8 [rows, nb * 256]: every q6_K block's quants in element order (_q6k_unpack)."""
+    for r in prange(out.shape[0]):
+        row, o = blocks[r], out[r]
+        for b in range(out.shape[1] // 256):
+            _q6k_unpack(row[210 * b:210 * b + 210], o[256 * b:256 * b + 256])
+
+
 # ----------------------------------------------------------------------------- one block
 
 @njit(inline="always")
 def _q4k_weights(q, s, w):
-    """The 256 weights of a q4_K block (q: its 128 quant bytes, s: its 16 scales) into w."""
-    for c in range(4):
-        ds0, dm0, ds1, dm1 = s[2 * c], s[8 + 2 * c], s[2 * c + 1], s[9 + 2 * c]
-        qq = q[32 * c:32 * c + 32]
-        w0 = w[64 * c:64 * c + 32]
-        w1 = w[64 * c + 32:64 * c + 64]
-        for lane in range(32):
-            byte = _u(qq, lane)
-            w0[lane] = ds0 * np.float32(np.int32(byte & np.int32(15))) - dm0
-            w1[lane] = ds1 * np.float32(np.int32(byte >> np.int32(4))) - dm1
+    """The 256 weights of a q4_K block (q: its 128 quant bytes, s: its 16 scales) into w:
+    element 64*c + 32*hi + lane is nibble hi of q[32*c + lane], scale s[2c + hi], min s[8 + 2c + hi]."""
+    d0, d1, d2, d3, d4, d5, d6, d7 = s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
+    m0, m1, m2, m3, m4, m5, m6, m7 = s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]
+    for lane in range(32):
+        b0, b1, b2, b3 = _u(q, lane), _u(q, 32 + lane), _u(q, 64 + lane), _u(q, 96 + lane)
+        w[lane] = d0 * np.float32(np.int32(b0 & np.int32(15))) - m0
+        w[32 + lane] = d1 * np.float32(np.int32(b0 >> np.int32(4))) - m1
+        w[64 + lane] = d2 * np.float32(np.int32(b1 & np.int32(15))) - m2
+        w[96 + lane] = d3 * np.float32(np.int32(b1 >> np.int32(4))) - m3
+        w[128 + lane] = d4 * np.float32(np.int32(b2 & np.int32(15))) - m4
+        w[160 + lane] = d5 * np.float32(np.int32(b2 >> np.int32(4))) - m5
+        w[192 + lane] = d6 * np.float32(np.int32(b3 & np.int32(15))) - m6
+        w[224 + lane] = d7 * np.float32(np.int32(b3 >> np.int32(4))) - m7
 
 
 @njit(inline="always")
 def _q4k_fma(q, s, x, a):
     """a[i] += weight_i * x[i] over one q4_K block (the weights as in _q4k_weights)."""
-    for c in range(4):
-        ds0, dm0, ds1, dm1 = s[2 * c], s[8 + 2 * c], s[2 * c + 1], s[9 + 2 * c]
-        qq = q[32 * c:32 * c + 32]
-        a0 = a[64 * c:64 * c + 32]
-        a1 = a[64 * c + 32:64 * c + 64]
-        x0 = x[64 * c:64 * c + 32]
-        x1 = x[64 * c + 32:64 * c + 64]
+    d0, d1, d2, d3, d4, d5, d6, d7 = s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
+    m0, m1, m2, m3, m4, m5, m6, m7 = s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]
+    for lane in range(32):
+        b0, b1, b2, b3 = _u(q, lane), _u(q, 32 + lane), _u(q, 64 + lane), _u(q, 96 + lane)
+        a[lane] += (d0 * np.float32(np.int32(b0 & np.int32(15))) - m0) * x[lane]
+        a[32 + lane] += (d1 * np.float32(np.int32(b0 >> np.int32(4))) - m1) * x[32 + lane]
+        a[64 + lane] += (d2 * np.float32(np.int32(b1 & np.int32(15))) - m2) * x[64 + lane]
+        a[96 + lane] += (d3 * np.float32(np.int32(b1 >> np.int32(4))) - m3) * x[96 + lane]
+        a[128 + lane] += (d4 * np.float32(np.int32(b2 & np.int32(15))) - m4) * x[128 + lane]
+        a[160 + lane] += (d5 * np.float32(np.int32(b2 >> np.int32(4))) - m5) * x[160 + lane]
+        a[192 + lane] += (d6 * np.float32(np.int32(b3 & np.int32(15))) - m6) * x[192 + lane]
+        a[224 + lane] += (d7 * np.float32(np.int32(b3 >> np.int32(4))) - m7) * x[224 + lane]
+
+
+@njit(inline="always")
+def _q6k_unpack(bq, o):
+    """The 256 quants of a q6_K block (bq: its 210 bytes) as int8 -32..31 into o, in element
+    order: element 128*half + 32*g + lane is (ql >> 4*(g // 2)) & 15 | ((qh >> 2*g) & 3) << 4,
+    ql = bq[64*half + 32*(g % 2) + lane], qh = bq[128 + 32*half + lane]."""
+    for half in range(2):
+        ql = bq[64 * half:64 * half + 64]
+        qh = bq[128 + 32 * half:160 + 32 * half]
+        oh = o[128 * half:128 * half + 128]
         for lane in range(32):
-            byte = _u(qq, lane)
-            a0[lane] += (ds0 * np.float32(np.int32(byte & np.int32(15))) - dm0) * x0[lane]
-            a1[lane] += (ds1 * np.float32(np.int32(byte >> np.int32(4))) - dm1) * x1[lane]
+            a = _u(ql, lane)
+            b = _u(ql, 32 + lane)
+            c = _u(qh, lane)
+            oh[lane] = np.int8(((a & np.int32(15)) | ((c & np.int32(3)) << np.int32(4))) - np.int32(32))
+            oh[32 + lane] = np.int8(((b & np.int32(15)) | (((c >> np.int32(2)) & np.int32(3)) << np.int32(4)))
+                                    - np.int32(32))
+            oh[64 + lane] = np.int8(((a >> np.int32(4)) | (((c >> np.int32(4)) & np.int32(3)) << np.int32(4)))
+                                    - np.int32(32))
+            oh[96 + lane] = np.int8(((b >> np.int32(4)) | (((c >> np.int32(6)) & np.int32(3)) << np.int32(4)))
+                                    - np.int32(32))
 
 
 @njit(inline="always")
-def _q6k_quants(ql, qh, lane):
-    """The four 6-bit quants (minus 32) of one lane of a q6_K half: elements lane, 32 + lane,
-    64 + lane, 96 + lane of the half (ql: its 64 low-bit bytes, qh: its 32 high-bit bytes)."""
-    a = _u(ql, lane)
-    b = _u(ql, 32 + lane)
-    c = _u(qh, lane)
-    v0 = (a & np.int32(15)) | ((c & np.int32(3)) << np.int32(4))
-    v1 = (b & np.int32(15)) | (((c >> np.int32(2)) & np.int32(3)) << np.int32(4))
-    v2 = (a >> np.int32(4)) | (((c >> np.int32(4)) & np.int32(3)) << np.int32(4))
-    v3 = (b >> np.int32(4)) | (((c >> np.int32(6)) & np.int32(3)) << np.int32(4))
-    return (np.float32(np.int32(v0 - np.int32(32))), np.float32(np.int32(v1 - np.int32(32))),
-            np.float32(np.int32(v2 - np.int32(32))), np.float32(np.int32(v3 - np.int32(32))))
+def _q6k_weights(q, s, w):
+    """The 256 weights of a q6_K block (q: its int8 quants, s: its 16 scales) into w:
+    element 16*j + lane is s[j] * q[16*j + lane]."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
+    s8, s9, s10, s11, s12, s13, s14, s15 = s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]
+    for lane in range(16):
+        w[0 + lane] = s0 * np.float32(np.int32(q[0 + lane]))
+        w[16 + lane] = s1 * np.float32(np.int32(q[16 + lane]))
+        w[32 + lane] = s2 * np.float32(np.int32(q[32 + lane]))
+        w[48 + lane] = s3 * np.float32(np.int32(q[48 + lane]))
+        w[64 + lane] = s4 * np.float32(np.int32(q[64 + lane]))
+        w[80 + lane] = s5 * np.float32(np.int32(q[80 + lane]))
+        w[96 + lane] = s6 * np.float32(np.int32(q[96 + lane]))
+        w[112 + lane] = s7 * np.float32(np.int32(q[112 + lane]))
+        w[128 + lane] = s8 * np.float32(np.int32(q[128 + lane]))
+        w[144 + lane] = s9 * np.float32(np.int32(q[144 + lane]))
+        w[160 + lane] = s10 * np.float32(np.int32(q[160 + lane]))
+        w[176 + lane] = s11 * np.float32(np.int32(q[176 + lane]))
+        w[192 + lane] = s12 * np.float32(np.int32(q[192 + lane]))
+        w[208 + lane] = s13 * np.float32(np.int32(q[208 + lane]))
+        w[224 + lane] = s14 * np.float32(np.int32(q[224 + lane]))
+        w[240 + lane] = s15 * np.float32(np.int32(q[240 + lane]))
 
 
 @njit(inline="always")
-def _q6k_weights(bq, s, w):
-    """The 256 weights of a q6_K block (bq: its 210 bytes, s: its 16 scales) into w.
-    Element 128*half + 32*g + lane has scale s[8*half + 2*g + (lane >= 16)]."""
-    for half in range(2):
-        ql = bq[64 * half:64 * half + 64]
-        qh = bq[128 + 32 * half:160 + 32 * half]
-        sh = s[8 * half:8 * half + 8]
-        wh = w[128 * half:128 * half + 128]
-        for p in range(2):
-            s0, s1, s2, s3 = sh[p], sh[2 + p], sh[4 + p], sh[6 + p]
-            for lane in range(16 * p, 16 * p + 16):
-                q0, q1, q2, q3 = _q6k_quants(ql, qh, lane)
-                wh[lane] = s0 * q0
-                wh[32 + lane] = s1 * q1
-                wh[64 + lane] = s2 * q2
-                wh[96 + lane] = s3 * q3
-
-
-@njit(inline="always")
-def _q6k_fma(bq, s, x, a):
+def _q6k_fma(q, s, x, a):
     """a[i] += weight_i * x[i] over one q6_K block (the weights as in _q6k_weights)."""
-    for half in range(2):
-        ql = bq[64 * half:64 * half + 64]
-        qh = bq[128 + 32 * half:160 + 32 * half]
-        sh = s[8 * half:8 * half + 8]
-        xh = x[128 * half:128 * half + 128]
-        ah = a[128 * half:128 * half + 128]
-        for p in range(2):
-            s0, s1, s2, s3 = sh[p], sh[2 + p], sh[4 + p], sh[6 + p]
-            for lane in range(16 * p, 16 * p + 16):
-                q0, q1, q2, q3 = _q6k_quants(ql, qh, lane)
-                ah[lane] += (s0 * q0) * xh[lane]
-                ah[32 + lane] += (s1 * q1) * xh[32 + lane]
-                ah[64 + lane] += (s2 * q2) * xh[64 + lane]
-                ah[96 + lane] += (s3 * q3) * xh[96 + lane]
+    s0, s1, s2, s3, s4, s5, s6, s7 = s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
+    s8, s9, s10, s11, s12, s13, s14, s15 = s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]
+    for lane in range(16):
+        a[0 + lane] += (s0 * np.float32(np.int32(q[0 + lane]))) * x[0 + lane]
+        a[16 + lane] += (s1 * np.float32(np.int32(q[16 + lane]))) * x[16 + lane]
+        a[32 + lane] += (s2 * np.float32(np.int32(q[32 + lane]))) * x[32 + lane]
+        a[48 + lane] += (s3 * np.float32(np.int32(q[48 + lane]))) * x[48 + lane]
+        a[64 + lane] += (s4 * np.float32(np.int32(q[64 + lane]))) * x[64 + lane]
+        a[80 + lane] += (s5 * np.float32(np.int32(q[80 + lane]))) * x[80 + lane]
+        a[96 + lane] += (s6 * np.float32(np.int32(q[96 + lane]))) * x[96 + lane]
+        a[112 + lane] += (s7 * np.float32(np.int32(q[112 + lane]))) * x[112 + lane]
+        a[128 + lane] += (s8 * np.float32(np.int32(q[128 + lane]))) * x[128 + lane]
+        a[144 + lane] += (s9 * np.float32(np.int32(q[144 + lane]))) * x[144 + lane]
+        a[160 + lane] += (s10 * np.float32(np.int32(q[160 + lane]))) * x[160 + lane]
+        a[176 + lane] += (s11 * np.float32(np.int32(q[176 + lane]))) * x[176 + lane]
+        a[192 + lane] += (s12 * np.float32(np.int32(q[192 + lane]))) * x[192 + lane]
+        a[208 + lane] += (s13 * np.float32(np.int32(q[208 + lane]))) * x[208 + lane]
+        a[224 + lane] += (s14 * np.float32(np.int32(q[224 + lane]))) * x[224 + lane]
+        a[240 + lane] += (s15 * np.float32(np.int32(q[240 + lane]))) * x[240 + lane]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -214,22 +250,22 @@ def _accumulate(w, h, k0, acc):
             a[i] += w[i] * x[i]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def _dequant_q4k(blocks, scales, r0, out):
     n, cols = out.shape
-    for i in prange(n):
+    for i in range(n):
         row, s, o = blocks[r0 + i], scales[r0 + i], out[i]
         for b in range(cols // 256):
             _q4k_weights(row[144 * b + 16:144 * b + 144], s[b], o[256 * b:256 * b + 256])
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def _dequant_q6k(blocks, scales, r0, out):
     n, cols = out.shape
-    for i in prange(n):
+    for i in range(n):
         row, s, o = blocks[r0 + i], scales[r0 + i], out[i]
         for b in range(cols // 256):
-            _q6k_weights(row[210 * b:210 * b + 210], s[b], o[256 * b:256 * b + 256])
+            _q6k_weights(row[256 * b:256 * b + 256], s[b], o[256 * b:256 * b + 256])
 
 
 @njit(parallel=True, cache=True)
@@ -257,7 +293,7 @@ def _gemv_q6k(blocks, scales, h, out):
             row, s, a = blocks[r], scales[r], acc[0]
             a[:] = 0.0
             for b in range(nb):
-                _q6k_fma(row[210 * b:210 * b + 210], s[b], h[0, 256 * b:256 * b + 256], a)
+                _q6k_fma(row[256 * b:256 * b + 256], s[b], h[0, 256 * b:256 * b + 256], a)
             _fold(acc, out, r)
 
 
@@ -289,40 +325,61 @@ def _gemm_q6k(blocks, scales, h, out):
             row, s = blocks[r], scales[r]
             acc[:, :] = 0.0
             for b in range(K // 256):
-                _q6k_weights(row[210 * b:210 * b + 210], s[b], w)
+                _q6k_weights(row[256 * b:256 * b + 256], s[b], w)
                 _accumulate(w, h, 256 * b, acc)
             _fold(acc, out, r)
 
 
 _KERNELS = {
-    "q4_k": (_scales_q4k, _dequant_q4k, _gemv_q4k, _gemm_q4k),
-    "q6_k": (_scales_q6k, _dequant_q6k, _gemv_q6k, _gemm_q6k),
+    "q4_k": (_dequant_q4k, _gemv_q4k, _gemm_q4k),
+    "q6_k": (_dequant_q6k, _gemv_q6k, _gemm_q6k),
 }
 KINDS = tuple(_KERNELS)
+_LOADED: set[str] = set()
 
 
 class QuantMatrix:
-    """One q4_K / q6_K matrix over its file blocks plus its decoded sub-block scales."""
+    """One q4_K / q6_K matrix: what the kernels read (`quants`) and its decoded sub-block scales.
+
+    q4_K: quants is the file's blocks themselves (read in place, 144 bytes per 256 weights).
+    q6_K: quants is an int8 copy of the 6-bit quants in element order (256 bytes per 256
+    weights, 1.2x its blocks; the caller may then drop the file's pages of it, reads_file is
+    False): unpacking 6-bit fields cost more per weight than the rest of the product.
+    """
 
     def __init__(self, kind: str, blocks: np.ndarray):
         if kind not in _KERNELS:
             raise ValueError(f"QuantMatrix: no kernel for {kind!r} (have {', '.join(KINDS)})")
-        self.kind = kind
-        self.blocks = np.asarray(blocks)                  # a plain view of the memmap
-        if self.blocks.dtype != np.uint8 or self.blocks.ndim != 2 or not self.blocks.flags.c_contiguous:
+        blocks = np.asarray(blocks)                       # a plain view of the memmap
+        if blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous:
             raise ValueError("QuantMatrix: blocks must be C-contiguous uint8 [rows, row_bytes]")
         block_bytes = 144 if kind == "q4_k" else 210
-        if self.blocks.shape[1] % block_bytes:
-            raise ValueError(f"QuantMatrix: row of {self.blocks.shape[1]} bytes is not whole {kind} blocks")
-        nb = self.blocks.shape[1] // block_bytes
-        self.rows, self.cols = self.blocks.shape[0], nb * 256
-        self._scales_fn, self._dequant, self._gemv, self._gemm = _KERNELS[kind]
+        if blocks.shape[1] % block_bytes:
+            raise ValueError(f"QuantMatrix: row of {blocks.shape[1]} bytes is not whole {kind} blocks")
+        self.kind = kind
+        nb = blocks.shape[1] // block_bytes
+        self.rows, self.cols = blocks.shape[0], nb * 256
+        self._dequant, self._gemv, self._gemm = _KERNELS[kind]
         self.scales = np.empty((self.rows, nb, 16), dtype=np.float32)
-        self._scales_fn(self.blocks, f16_table(), self.scales)
+        if kind == "q4_k":
+            _scales_q4k(blocks, f16_table(), self.scales)
+            self.quants = blocks
+        else:
+            _scales_q6k(blocks, f16_table(), self.scales)
+            self.quants = np.empty((self.rows, self.cols), dtype=np.int8)
+            _expand_q6k(blocks, self.quants)
+        self.reads_file = kind == "q4_k"
+        if kind not in _LOADED:       # load (or compile) every kernel now, not in the first forward
+            one = QuantMatrix.__new__(QuantMatrix)
+            one.__dict__.update(self.__dict__, quants=self.quants[:1], scales=self.scales[:1], rows=1)
+            one.dequantize(0, np.empty((1, self.cols), np.float32))
+            one.matmul_t(np.zeros((1, self.cols), np.float32))
+            one.matmul_t(np.zeros((2, self.cols), np.float32))
+            _LOADED.add(kind)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes + self.scales.nbytes
+        return self.quants.nbytes + self.scales.nbytes
 
     def dequantize(self, r0: int, out: np.ndarray) -> np.ndarray:
         """Rows r0 .. r0 + len(out) - 1 as float32 into out [n, cols] (C-contiguous)."""
@@ -330,7 +387,7 @@ class QuantMatrix:
             raise ValueError(f"dequantize: out must be C-contiguous float32 [n, {self.cols}]")
         if r0 < 0 or r0 + out.shape[0] > self.rows:
             raise ValueError(f"dequantize: rows {r0}..{r0 + out.shape[0]} of {self.rows}")
-        self._dequant(self.blocks, self.scales, r0, out)
+        self._dequant(self.quants, self.scales, r0, out)
         return out
 
     def matmul_t(self, h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -340,5 +397,5 @@ class QuantMatrix:
             raise ValueError(f"matmul_t: h {h.shape} against [{self.rows}, {self.cols}]")
         if out is None:
             out = np.empty((h.shape[0], self.rows), dtype=np.float32)
-        (self._gemv if h.shape[0] == 1 else self._gemm)(self.blocks, self.scales, h, out)
+        (self._gemv if h.shape[0] == 1 else self._gemm)(self.quants, self.scales, h, out)
         return out
