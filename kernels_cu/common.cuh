@@ -39,8 +39,9 @@ typedef unsigned long long u64;
 // The early trigger is used by the single-stream decode kernels only (decode_fused.cu, mmvq,
 // attention_decode's one-sequence split/combine, argmax_step): measured on the H200 (perf-log,
 // session 8) it takes tg128 from 421 to 450 tok/s, while in the MMQ / varlen kernels of a
-// batched step it cost 5-7% (the successor's waiting blocks share the SMs with a kernel that is
-// bound by issue, not bandwidth). Without the attribute both are plain loads of nothing.
+// batched step it cost 5-7% (not profiled; presumably the successor's waiting blocks get in the
+// way of kernels bound by issue rather than by bandwidth). Without the attribute (eager launches)
+// and below sm_90 both instructions do nothing.
 #if !defined(GGP_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void pdl_entry() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry_trigger() {
