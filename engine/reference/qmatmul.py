@@ -250,6 +250,10 @@ def _accumulate(w, h, k0, acc):
             a[i] += w[i] * x[i]
 
 
+# Kernels: q4_K ones read the file's blocks (uint8 [rows, nb * 144]), q6_K ones the int8 quants
+# ([rows, nb * 256]); scales [rows, nb, 16]; h [T, K]; out [T, rows] (dequantize: [n, K], serial:
+# it runs between OpenBLAS calls, whose spinning worker holds the other core).
+
 @njit(cache=True)
 def _dequant_q4k(blocks, scales, r0, out):
     n, cols = out.shape
@@ -260,10 +264,10 @@ def _dequant_q4k(blocks, scales, r0, out):
 
 
 @njit(cache=True)
-def _dequant_q6k(blocks, scales, r0, out):
+def _dequant_q6k(quants, scales, r0, out):
     n, cols = out.shape
     for i in range(n):
-        row, s, o = blocks[r0 + i], scales[r0 + i], out[i]
+        row, s, o = quants[r0 + i], scales[r0 + i], out[i]
         for b in range(cols // 256):
             _q6k_weights(row[256 * b:256 * b + 256], s[b], o[256 * b:256 * b + 256])
 
@@ -284,13 +288,13 @@ def _gemv_q4k(blocks, scales, h, out):
 
 
 @njit(parallel=True, cache=True)
-def _gemv_q6k(blocks, scales, h, out):
-    rows = blocks.shape[0]
+def _gemv_q6k(quants, scales, h, out):
+    rows = quants.shape[0]
     nb = h.shape[1] // 256
     for g in prange((rows + ROW_GROUP - 1) // ROW_GROUP):
         acc = np.empty((1, 256), np.float32)
         for r in range(ROW_GROUP * g, min(rows, ROW_GROUP * g + ROW_GROUP)):
-            row, s, a = blocks[r], scales[r], acc[0]
+            row, s, a = quants[r], scales[r], acc[0]
             a[:] = 0.0
             for b in range(nb):
                 _q6k_fma(row[256 * b:256 * b + 256], s[b], h[0, 256 * b:256 * b + 256], a)
@@ -315,14 +319,14 @@ def _gemm_q4k(blocks, scales, h, out):
 
 
 @njit(parallel=True, cache=True)
-def _gemm_q6k(blocks, scales, h, out):
-    rows = blocks.shape[0]
+def _gemm_q6k(quants, scales, h, out):
+    rows = quants.shape[0]
     T, K = h.shape
     for g in prange((rows + ROW_GROUP - 1) // ROW_GROUP):
         w = np.empty(256, np.float32)
         acc = np.empty((T, 256), np.float32)
         for r in range(ROW_GROUP * g, min(rows, ROW_GROUP * g + ROW_GROUP)):
-            row, s = blocks[r], scales[r]
+            row, s = quants[r], scales[r]
             acc[:, :] = 0.0
             for b in range(K // 256):
                 _q6k_weights(row[256 * b:256 * b + 256], s[b], w)
