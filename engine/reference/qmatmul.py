@@ -33,7 +33,8 @@ arithmetic (measured, docs/perf-log.md).
 
 Importing this module imports numba, an optional dependency: engine.reference.model imports it
 only for quantized matrices. Compiled code is cached beside this file (cache=True); the first
-use in a fresh checkout compiles the kernels (about a minute on 2 cores).
+use in a fresh checkout (or after an edit of this file) compiles the kernels, tens of seconds on
+2 cores.
 """
 from __future__ import annotations
 
