@@ -188,9 +188,9 @@ def f32_budget_from_env() -> int | None:
 class ReferenceModel:
     """The numpy backend. See the module docstring for the forward.
 
-    quantized: hold the q4_K / q6_K matrices as the file's blocks behind the compiled kernels
-    (None: default_quantized, i.e. when no budget is given and the float32 matrices would pass
-    AUTO_F32_MAX). Otherwise f32_bytes bounds the dequantized float32 weights kept in memory
+    quantized: hold the q4_K / q6_K matrices quantized behind the compiled kernels of
+    engine/reference/qmatmul.py (None: default_quantized, i.e. when no budget is given and the
+    float32 matrices would pass AUTO_F32_MAX). Otherwise f32_bytes bounds the dequantized float32 weights kept in memory
     (None: read from GGUF_PREFILL_CPU_F32_GIB; unset there: every matrix); matrices past the
     budget, the last layers' first, are dequantized per forward instead (same values, slower).
     """
