@@ -190,9 +190,10 @@ class ReferenceModel:
 
     quantized: hold the q4_K / q6_K matrices quantized behind the compiled kernels of
     engine/reference/qmatmul.py (None: default_quantized, i.e. when no budget is given and the
-    float32 matrices would pass AUTO_F32_MAX). Otherwise f32_bytes bounds the dequantized float32 weights kept in memory
-    (None: read from GGUF_PREFILL_CPU_F32_GIB; unset there: every matrix); matrices past the
-    budget, the last layers' first, are dequantized per forward instead (same values, slower).
+    float32 matrices would pass AUTO_F32_MAX). Otherwise f32_bytes bounds the dequantized
+    float32 weights kept in memory (None: read from GGUF_PREFILL_CPU_F32_GIB; unset there: every
+    matrix); matrices past the budget, the last layers' first, are dequantized per forward
+    instead (same values, slower).
     """
 
     device = "cpu"

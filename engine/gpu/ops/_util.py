@@ -1,7 +1,19 @@
-"""Argument helpers shared by the launchers (no kernels here)."""
+"""Argument and device helpers shared by the launchers (no kernels here)."""
 from __future__ import annotations
 
 import numpy as np
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (asked once per device)."""
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return _SM_COUNT[dev]
 
 
 def null():

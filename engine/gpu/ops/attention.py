@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.errors import GGUFError
 from engine.gpu import kernels, registry
-from engine.gpu.ops._util import ptr, contig, null
+from engine.gpu.ops._util import contig, null, ptr, sm_count
 
 # prefill
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
@@ -151,7 +151,7 @@ class VarlenDecode:
         cp = _cupy()
         R = int(rows_dev.shape[0])
         if n_sm is None:
-            n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+            n_sm = sm_count()
         self.rows = rows_dev
         self.n_split = max(1, min(VARLEN_MAX_SPLIT, -(-VARLEN_BLOCKS_PER_SM * n_sm // max(1, R * n_kv_heads))))
         self.part_o = cp.empty((max(R, 1), n_heads, self.n_split, head_dim), dtype=cp.float32)
@@ -210,7 +210,7 @@ def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) 
     """Splits over keys: enough blocks to fill the GPU (about 4 per SM) at the longest context,
     but at least a tile of keys per split."""
     if n_sm is None:
-        n_sm = _cupy().cuda.Device().attributes["MultiProcessorCount"]
+        n_sm = sm_count()
     return max(1, min(-(-max_tokens // ATT_TK), -(-4 * n_sm // n_kv_heads)))
 
 

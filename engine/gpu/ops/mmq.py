@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.gpu import kernels
 from engine.gpu.ops._util import check_dev
+from engine.gpu.ops._util import sm_count as _sm_count   # (parameters below are named sm_count)
 from engine.gpu.ops.mmvq import mmvq_launch
 from engine.gpu.ops.q8 import Q8Act, quantize_q8_1
 from engine.gpu.weights import DeviceWeight
@@ -24,18 +25,10 @@ from engine.gpu.weights import DeviceWeight
 from engine.gpu.registry import (DEFAULT_SPLIT, DEFAULT_VARIANT, MMSB_VARIANT, MMVQ_VARIANT,  # noqa: E402,F401
                                  SMALL_BATCH_TIERS, SMALL_BATCH_WIDE, SMALL_VARIANT, SPLIT_MAX_PARTS,
                                  split_max_parts)
-_SM_COUNT: dict[int, int] = {}
 _SPLIT_BUFFERS: dict[int, tuple] = {}
 _RETIRED_BUFFERS: list = []      # outgrown workspaces, kept: CUDA graphs (prefill_graph.py) hold their pointers
 
 
-def _sm_count() -> int:
-    import cupy as cp
-
-    dev = cp.cuda.Device().id
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return _SM_COUNT[dev]
 
 
 def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = None) -> str:
