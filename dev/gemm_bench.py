@@ -170,14 +170,13 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
             ds_h = cp.asnumpy(act.ds)
             d_h, s_h = ds_h[..., 0], ds_h[..., 1]
             ref = S = S_min = None
-            if variants == ["default"]:
-                vlist = [gpu_ops.choose_variant(kind, T, N)]
-            elif variants == ["small"]:
-                vlist = small_candidates(kind, T)
-            else:
-                vlist = variants or kernels.mmq_variants(kind)
+            vlist = []
+            for v in variants or kernels.mmq_variants(kind):     # "default" / "small" expand per (kind, T)
+                vlist += ([gpu_ops.choose_variant(kind, T, N)] if v == "default"
+                          else small_candidates(kind, T) if v == "small" else [v])
+            vlist = list(dict.fromkeys(vlist))
             for v in vlist:
-                if (kernels.mmq_split_name(v)[0] not in (kernels.MMVQ_VARIANT, kernels.MMSB_VARIANT)
+                if (kernels.mmq_split_name(v)[0] != kernels.MMVQ_VARIANT and not kernels.is_mmsb(v)
                         and kernels.mmq_split_name(v)[0] not in kernels.mmq_variants(kind)):
                     continue
                 y = cp.empty((T, N), dtype=cp.float32)
@@ -196,7 +195,7 @@ def run(tokens=(512, 3314), variants=None, reps: int = 20, shapes=None, seed: in
                 ok = bool(np.all(np.isfinite(ys)) and np.all(err <= error_bound(kind, K, S, S_min, kernels.mmq_uses_tc(kind, v))))
                 ops = 2.0 * T * N * K
                 grid = (gpu_ops.MmqGrid(0, 0, 1, 0, float("nan"))
-                        if kernels.mmq_split_name(v)[0] in (kernels.MMVQ_VARIANT, kernels.MMSB_VARIANT)
+                        if kernels.mmq_split_name(v)[0] == kernels.MMVQ_VARIANT or kernels.is_mmsb(v)
                         else gpu_ops.mmq_grid(kind, v, T, N, K))
                 row = {
                     "kind": kind, "N": N, "K": K, "T": T, "variant": v,
@@ -250,7 +249,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,3314")
     ap.add_argument("--variants", default="all",
-                    help="all | default (gpu_ops.choose_variant per T) | small (small_candidates) | NAME,NAME")
+                    help="all | NAME,NAME,.. where a NAME may be default (gpu_ops.choose_variant per T) "
+                         "or small (small_candidates)")
     ap.add_argument("--shapes", default="7b",
                     help="7b (SHAPES_7B) | sweep (SHAPES_SWEEP) | KIND:NxK,.. (e.g. q6_k:4096x4096)")
     ap.add_argument("--reps", type=int, default=20)
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         if kind not in {sk for sk, _, _ in shapes}:
             continue
         names = [kernels.mmq_split_name(v)[0] for v in (variants or kernels.mmq_variants(kind))
-                 if kernels.mmq_split_name(v)[0] not in (kernels.MMVQ_VARIANT, kernels.MMSB_VARIANT)]
+                 if kernels.mmq_split_name(v)[0] != kernels.MMVQ_VARIANT and not kernels.is_mmsb(v)]
         for v in dict.fromkeys(names):
             if v not in kernels.mmq_variants(kind):
                 continue
@@ -284,6 +284,17 @@ def main(argv=None) -> int:
                                    dynamic_smem=kernels.mmq_smem_bytes(kind, v))
             print(f"# {kind} {v:11s} {kernels.mmq_instance(kind, v):26s} regs {k.num_regs} "
                   f"local {k.local_size_bytes} B smem {kernels.mmq_smem_bytes(kind, v)} B")
+    for v in dict.fromkeys(variants or ()):
+        if kernels.is_mmsb(v):
+            from engine.gpu import registry
+            from engine.gpu.ops.mmsb import KERNEL_FILE
+            for kind in sorted({sk for sk, _, _ in shapes}):
+                for ntt in registry.MMSB_NTT:
+                    if not any(t <= 8 * ntt and (ntt == 1 or t > 4 * ntt) for t in tokens):
+                        continue
+                    name = registry.mmsb_instance(kind, ntt, True, registry.mmsb_config(v))
+                    k = kernels.get_kernel(KERNEL_FILE[kind], name)
+                    print(f"# {kind} {v:11s} {name:26s} regs {k.num_regs} local {k.local_size_bytes} B")
     print(HEADER, flush=True)
     rows = run(tokens=tokens, variants=variants, reps=a.reps, shapes=shapes,
                log=lambda s: print(s, flush=True), timing=a.timing)

@@ -1,14 +1,16 @@
 // mmsb_common.cuh: the skeleton of the small-batch GEMMs (mmsb_q4_k.cu, mmsb_q6_k.cu):
 // y[T, N] = x[T, K] . W[N, K]^T for T <= 8 NTT tokens, int8 tensor cores with the WEIGHTS as the
-// MMA's A operand (16 rows) and the TOKENS as its B operand (8 columns per n-tile), so a
-// few-token product is one or two n-tiles and the time is set by streaming the weights once.
+// MMA's A operand (16 rows per m-tile) and the TOKENS as its B operand (8 columns per n-tile),
+// so a few-token product is a few n-tiles and the time is set by streaming the weights once.
 //
-// Work split: block = SB_WARPS warps = SB_ROWS weight rows (16 per warp), grid (ceil(N / SB_ROWS),
-// parts): block (x, p) takes the super-blocks [p nsb / parts, (p+1) nsb / parts) of K (nsb =
-// K / 256; the host picks parts so a 4096-row matrix fills the SMs). Each warp loads its weight
-// rows straight into registers, two super-blocks ahead of their use (no shared memory, no
+// Work split: block = SB_WARPS warps, each MR m-tiles = 16 MR weight rows (rows per block
+// sb_rows(MR) = 64 MR), grid (ceil(N / sb_rows), parts): block (x, p) takes the super-blocks
+// [p nsb / parts, (p+1) nsb / parts) of K (nsb = K / 256; the host picks parts so the grid fills
+// the SMs). Each warp loads its weight rows straight into registers (no shared memory, no
 // barrier on the weight path), D super-blocks ahead of their use (a ring of D register sets,
-// D per instance); the block's q8_1 activations are staged in shared memory `ch` super-blocks
+// D per instance); every activation fragment and scale read from shared memory serves the MR
+// m-tiles (MR = 2 halves the shared-memory traffic per weight byte, what NTT >= 4 needs); the
+// block's q8_1 activations are staged in shared memory `ch` super-blocks
 // at a time (cp.async, all T tokens, zero rows past T; ch = the whole range when it fits):
 //   sq  [8 NTT][ch 256 + PAD] int8, row = token (PAD: a bank-conflict-free row stride);
 //   sds [ch 8][8 NTT] float2 (d8, s8), q8_1-block-major so a lane's two tokens are one
@@ -17,14 +19,17 @@
 // the last block of a row tile to arrive sums and stores), so the result has the same bits
 // whichever block finishes last.
 //
-// Accumulator layout (m16n8 D fragment, g = lane >> 2, t = lane & 3), per n-tile nt:
-//   acc[nt][0] = (row g, token 8 nt + 2t), [1] = (row g, token 8 nt + 2t + 1),
-//   acc[nt][2] = (row g + 8, token 8 nt + 2t), [3] = (row g + 8, token 8 nt + 2t + 1).
+// Accumulator layout (m16n8 D fragment, g = lane >> 2, t = lane & 3), per m-tile m, n-tile nt
+// (row0 = the warp's first row + 16 m):
+//   acc[m][nt][0] = (row0 + g, token 8 nt + 2t), [1] = (row0 + g, token 8 nt + 2t + 1),
+//   acc[m][nt][2] = (row0 + g + 8, token 8 nt + 2t), [3] = (row0 + g + 8, token 8 nt + 2t + 1).
+// A lane's weight rows: r = 2 m + h -> row row0_warp + 16 m + g + 8 h (Body::rows[r]).
 #pragma once
 
 #define SB_WARPS 4
-#define SB_ROWS (16 * SB_WARPS)
 #define SB_THREADS (32 * SB_WARPS)
+
+__host__ __device__ constexpr int sb_rows(int mr) { return 16 * mr * SB_WARPS; }
 
 #ifndef GGP_EMU   // PTX only (tensor cores, async copies)
 
@@ -75,13 +80,13 @@ __device__ __forceinline__ void sb_stage(const SbLayout<NTT, PAD>& L, u32 sq, u3
 }
 
 // The block's super-block range and, with parts > 1, its place in the split reduction.
-__device__ __forceinline__ MmqWork sb_work(int nsb, int parts) {
+__device__ __forceinline__ MmqWork sb_work(int nsb, int parts, int rows_per_block) {
     MmqWork w;
     w.slot = blockIdx.x;
     w.part = blockIdx.y;
     w.s0 = (int)((long long)blockIdx.y * nsb / parts);
     w.s1 = (int)((long long)(blockIdx.y + 1) * nsb / parts);
-    w.n_base = blockIdx.x * SB_ROWS;
+    w.n_base = blockIdx.x * rows_per_block;
     w.m_base = 0;
     return w;
 }
@@ -125,23 +130,25 @@ __device__ __forceinline__ void sb_loop(Body& body, const SbLayout<NTT, PAD>& L,
 }
 
 // acc -> y[t, n] (row-major [T, N]); rows >= N and tokens >= T are not stored.
-template <int NTT>
-__device__ __forceinline__ void sb_store(float* __restrict__ Y, const float (&acc)[1][NTT][4], int T,
+template <int MR, int NTT>
+__device__ __forceinline__ void sb_store(float* __restrict__ Y, const float (&acc)[MR][NTT][4], int T,
                                          int N, int row0, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < NTT; ++nt) {
+    for (int m = 0; m < MR; ++m)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int n = row0 + g + 8 * (i >> 1);
-            const int tok = 8 * nt + 2 * t4 + (i & 1);
-            if (n < N && tok < T) Y[(size_t)tok * N + n] = acc[0][nt][i];
+        for (int nt = 0; nt < NTT; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int n = row0 + 16 * m + g + 8 * (i >> 1);
+                const int tok = 8 * nt + 2 * t4 + (i & 1);
+                if (n < N && tok < T) Y[(size_t)tok * N + n] = acc[m][nt][i];
+            }
         }
-    }
 }
 
 // The whole kernel body of both families: Body (Q4Body / Q6Body) holds the accumulators, the
-// lane's two weight rows and the load / compute of one super-block of BS-byte blocks.
+// lane's 2 MR weight rows and the load / compute of one super-block of BS-byte blocks.
 template <int NTT, int PAD, int D, int BS, class Body>
 __device__ __forceinline__ void sb_gemm(const u8* __restrict__ W, const i8* __restrict__ Aq,
                                         const float2* __restrict__ Ads, float* __restrict__ Y, int T,
@@ -151,21 +158,25 @@ __device__ __forceinline__ void sb_gemm(const u8* __restrict__ W, const i8* __re
     extern __shared__ __align__(16) u8 smem[];
     if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const MmqWork wk = sb_work(K >> 8, parts);
-    const int row0 = wk.n_base + 16 * warp;
+    constexpr int MR = Body::MR;
+    const MmqWork wk = sb_work(K >> 8, parts, sb_rows(MR));
+    const int row0 = wk.n_base + 16 * MR * warp;
     const size_t rb = (size_t)(K >> 8) * BS;
     Body body;
     body.g = lane >> 2;
     body.t4 = lane & 3;
-    body.rg = W + (size_t)min(row0 + body.g, N - 1) * rb;        // rows past N: read row N-1, never stored
-    body.rh = W + (size_t)min(row0 + body.g + 8, N - 1) * rb;
 #pragma unroll
-    for (int nt = 0; nt < NTT; ++nt)
+    for (int r = 0; r < 2 * MR; ++r)      // rows past N: read row N-1, never stored
+        body.rows[r] = W + (size_t)min(row0 + 16 * (r >> 1) + body.g + 8 * (r & 1), N - 1) * rb;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) body.acc[0][nt][i] = 0.0f;
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+        for (int nt = 0; nt < NTT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) body.acc[m][nt][i] = 0.0f;
     sb_loop<NTT, PAD, D>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
-    if (parts > 1 && !mmq_split_reduce<1, NTT, SB_THREADS>(body.acc, wk, parts, Wsp, Cnt, tid)) return;
-    sb_store<NTT>(Y, body.acc, T, N, row0, lane);
+    if (parts > 1 && !mmq_split_reduce<MR, NTT, SB_THREADS>(body.acc, wk, parts, Wsp, Cnt, tid)) return;
+    sb_store<MR, NTT>(Y, body.acc, T, N, row0, lane);
 }
 
 #endif  // GGP_EMU

@@ -1,5 +1,6 @@
 // mmsb_q4_k.cu: small-batch GEMM y[T, N] = x[T, K] . W[N, K]^T, W in q4_K blocks, x in q8_1
-// blocks, T <= 8 NTT (NTT = 1, 2 n-tiles: registry.MMSB_NTT), f32 output [T, N]; skeleton, grid and
+// blocks, T <= 8 NTT (instance <NTT, MR, D>: NTT n-tiles, MR m-tiles per warp, a ring of D
+// super-blocks in flight; registry.MMSB_CONFIGS), f32 output [T, N]; skeleton, grid and
 // shared-memory layout in mmsb_common.cuh (weights = MMA A operand, tokens = B operand).
 //
 // Inputs: W uint8 [N, K/256 * 144] (GGUF q4_K rows: d f16 @0, dmin f16 @2, scales[12] @4,
@@ -8,8 +9,8 @@
 // Formula (engine.reference.mmq.mmq_reference_q4_k), per row n, token t, super-block b:
 //   y[t,n] += sum_j (d sc_j) d8[t,j] dot_j  -  dmin sum_j m_j s8[t,j]      (j = 0..7)
 //
-// Fragments: lane (g, t) loads 8 bytes of chunk c at offset 8t for rows g and g+8 (one 32-byte
-// sector per row per warp load). The MMA's k order is permuted inside a sub-block, the same way
+// Fragments: lane (g, t) loads 8 bytes of chunk c at offset 8t for rows g and g+8 of each m-tile
+// (one 32-byte sector per row per warp load). The MMA's k order is permuted inside a sub-block, the same way
 // for both operands: logical k 4t..4t+3 = element 8t..8t+3, logical k 16+4t.. = element 8t+4..
 // So a0/a2 = the two words of row g (low nibbles: sub-block 2c; high: 2c+1), a1/a3 = row g+8,
 // and b0/b1 = the 8 activation bytes of token g at element 8t (one 8-byte shared load).
@@ -25,20 +26,20 @@
 
 #define SB4_PAD 32
 
-struct Q4Sb {               // one super-block of a lane's two rows
-    uint4 hdr[2];           // rows g, g+8: d, dmin, scales
-    uint2 qs[2][4];         // [row][chunk]: 8 bytes at chunk offset 8t
+template <int MR>
+struct Q4Sb {               // one super-block of a lane's 2 MR rows (r = 2 m + h: row 16 m + g + 8 h)
+    uint4 hdr[2 * MR];      // d, dmin, scales
+    uint2 qs[2 * MR][4];    // [row][chunk]: 8 bytes at chunk offset 8t
 };
 
-__device__ __forceinline__ void q4sb_load(Q4Sb& s, const u8* rg, const u8* rh, int sb, int t4) {
-    const u8* bg = rg + (size_t)sb * 144;
-    const u8* bh = rh + (size_t)sb * 144;
-    s.hdr[0] = __ldg(reinterpret_cast<const uint4*>(bg));
-    s.hdr[1] = __ldg(reinterpret_cast<const uint4*>(bh));
+template <int MR>
+__device__ __forceinline__ void q4sb_load(Q4Sb<MR>& s, const u8* const (&rows)[2 * MR], int sb, int t4) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        s.qs[0][c] = ld_stream8(bg + 16 + 32 * c + 8 * t4);
-        s.qs[1][c] = ld_stream8(bh + 16 + 32 * c + 8 * t4);
+    for (int r = 0; r < 2 * MR; ++r) {
+        const u8* b = rows[r] + (size_t)sb * 144;
+        s.hdr[r] = __ldg(reinterpret_cast<const uint4*>(b));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s.qs[r][c] = ld_stream8(b + 16 + 32 * c + 8 * t4);
     }
 }
 
@@ -50,85 +51,108 @@ __device__ __forceinline__ void q4_scale_min(const uint4& h, int j, int& sc, int
     else       { sc = (b2 & 0xF) | ((b0 >> 6) << 4); m = (b2 >> 4) | ((b1 >> 6) << 4); }
 }
 
-template <int NTT>
-__device__ __forceinline__ void q4sb_compute(float (&acc)[1][NTT][4], const Q4Sb& s, const u8* sqb, int rs,
+template <int NTT, int MR>
+__device__ __forceinline__ void q4sb_compute(float (&acc)[MR][NTT][4], const Q4Sb<MR>& s, const u8* sqb, int rs,
                                              const float* sdsb, int g, int t4) {
     constexpr int TP = 8 * NTT;
-    const float dg = f16_to_f32((u16)(s.hdr[0].x & 0xFFFF)), dh = f16_to_f32((u16)(s.hdr[1].x & 0xFFFF));
+    float dw[2 * MR];
+#pragma unroll
+    for (int r = 0; r < 2 * MR; ++r) dw[r] = f16_to_f32((u16)(s.hdr[r].x & 0xFFFF));
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
             const int j = 2 * c + hi;
             const int sh = 4 * hi;
-            const u32 a0 = (s.qs[0][c].x >> sh) & 0x0F0F0F0Fu, a2 = (s.qs[0][c].y >> sh) & 0x0F0F0F0Fu;
-            const u32 a1 = (s.qs[1][c].x >> sh) & 0x0F0F0F0Fu, a3 = (s.qs[1][c].y >> sh) & 0x0F0F0F0Fu;
-            int scg, sch, mdummy;
-            q4_scale_min(s.hdr[0], j, scg, mdummy);
-            q4_scale_min(s.hdr[1], j, sch, mdummy);
-            const float dsg = dg * (float)scg, dsh = dh * (float)sch;
-            const float mdsg = -MMQ_MAGIC_F * dsg, mdsh = -MMQ_MAGIC_F * dsh;
+            u32 a[MR][4];
+            float dsc[2 * MR], mdsc[2 * MR];
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                a[m][0] = (s.qs[2 * m][c].x >> sh) & 0x0F0F0F0Fu;
+                a[m][2] = (s.qs[2 * m][c].y >> sh) & 0x0F0F0F0Fu;
+                a[m][1] = (s.qs[2 * m + 1][c].x >> sh) & 0x0F0F0F0Fu;
+                a[m][3] = (s.qs[2 * m + 1][c].y >> sh) & 0x0F0F0F0Fu;
+            }
+#pragma unroll
+            for (int r = 0; r < 2 * MR; ++r) {
+                int sc, mdummy;
+                q4_scale_min(s.hdr[r], j, sc, mdummy);
+                dsc[r] = dw[r] * (float)sc;
+                mdsc[r] = -MMQ_MAGIC_F * dsc[r];
+            }
 #pragma unroll
             for (int nt = 0; nt < NTT; ++nt) {
                 const uint2 b = *reinterpret_cast<const uint2*>(sqb + (8 * nt + g) * rs + 32 * j + 8 * t4);
-                int d[4];
-                mma_s8_k32(d, a0, a1, a2, a3, b.x, b.y, MMQ_MAGIC_I);
                 const float4 ds = *reinterpret_cast<const float4*>(sdsb + 2 * (j * TP + 8 * nt + 2 * t4));
-                float* o = acc[0][nt];
-                o[0] = fmaf(fmaf(__int_as_float(d[0]), dsg, mdsg), ds.x, o[0]);
-                o[1] = fmaf(fmaf(__int_as_float(d[1]), dsg, mdsg), ds.z, o[1]);
-                o[2] = fmaf(fmaf(__int_as_float(d[2]), dsh, mdsh), ds.x, o[2]);
-                o[3] = fmaf(fmaf(__int_as_float(d[3]), dsh, mdsh), ds.z, o[3]);
+#pragma unroll
+                for (int m = 0; m < MR; ++m) {
+                    int d[4];
+                    mma_s8_k32(d, a[m][0], a[m][1], a[m][2], a[m][3], b.x, b.y, MMQ_MAGIC_I);
+                    float* o = acc[m][nt];
+                    o[0] = fmaf(fmaf(__int_as_float(d[0]), dsc[2 * m], mdsc[2 * m]), ds.x, o[0]);
+                    o[1] = fmaf(fmaf(__int_as_float(d[1]), dsc[2 * m], mdsc[2 * m]), ds.z, o[1]);
+                    o[2] = fmaf(fmaf(__int_as_float(d[2]), dsc[2 * m + 1], mdsc[2 * m + 1]), ds.x, o[2]);
+                    o[3] = fmaf(fmaf(__int_as_float(d[3]), dsc[2 * m + 1], mdsc[2 * m + 1]), ds.z, o[3]);
+                }
             }
         }
     }
     // min term of the super-block: Z[n, tok] = sum_j m[n, j] s8[tok, j] (TF32, s8 hi + lo)
-    int sdummy, m0g, m4g, m0h, m4h;
-    q4_scale_min(s.hdr[0], t4, sdummy, m0g);
-    q4_scale_min(s.hdr[0], t4 + 4, sdummy, m4g);
-    q4_scale_min(s.hdr[1], t4, sdummy, m0h);
-    q4_scale_min(s.hdr[1], t4 + 4, sdummy, m4h);
-    const u32 am0 = __float_as_uint((float)m0g), am1 = __float_as_uint((float)m0h);
-    const u32 am2 = __float_as_uint((float)m4g), am3 = __float_as_uint((float)m4h);
-    const float ndg = -f16_to_f32((u16)(s.hdr[0].x >> 16)), ndh = -f16_to_f32((u16)(s.hdr[1].x >> 16));
+    u32 am[MR][4];
+    float nd[2 * MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+        int sdummy, m0g, m4g, m0h, m4h;
+        q4_scale_min(s.hdr[2 * m], t4, sdummy, m0g);
+        q4_scale_min(s.hdr[2 * m], t4 + 4, sdummy, m4g);
+        q4_scale_min(s.hdr[2 * m + 1], t4, sdummy, m0h);
+        q4_scale_min(s.hdr[2 * m + 1], t4 + 4, sdummy, m4h);
+        am[m][0] = __float_as_uint((float)m0g);
+        am[m][1] = __float_as_uint((float)m0h);
+        am[m][2] = __float_as_uint((float)m4g);
+        am[m][3] = __float_as_uint((float)m4h);
+    }
+#pragma unroll
+    for (int r = 0; r < 2 * MR; ++r) nd[r] = -f16_to_f32((u16)(s.hdr[r].x >> 16));
 #pragma unroll
     for (int nt = 0; nt < NTT; ++nt) {
         const float s0 = sdsb[2 * (t4 * TP + 8 * nt + g) + 1];
         const float s4 = sdsb[2 * ((t4 + 4) * TP + 8 * nt + g) + 1];
         const u32 h0 = f32_to_tf32(s0), h4 = f32_to_tf32(s4);
         const u32 l0 = f32_to_tf32(s0 - __uint_as_float(h0)), l4 = f32_to_tf32(s4 - __uint_as_float(h4));
-        float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_tf32_k8(z, am0, am1, am2, am3, h0, h4);
-        mma_tf32_k8(z, am0, am1, am2, am3, l0, l4);
-        float* o = acc[0][nt];
-        o[0] = fmaf(ndg, z[0], o[0]);
-        o[1] = fmaf(ndg, z[1], o[1]);
-        o[2] = fmaf(ndh, z[2], o[2]);
-        o[3] = fmaf(ndh, z[3], o[3]);
+#pragma unroll
+        for (int m = 0; m < MR; ++m) {
+            float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32_k8(z, am[m][0], am[m][1], am[m][2], am[m][3], h0, h4);
+            mma_tf32_k8(z, am[m][0], am[m][1], am[m][2], am[m][3], l0, l4);
+            float* o = acc[m][nt];
+            o[0] = fmaf(nd[2 * m], z[0], o[0]);
+            o[1] = fmaf(nd[2 * m], z[1], o[1]);
+            o[2] = fmaf(nd[2 * m + 1], z[2], o[2]);
+            o[3] = fmaf(nd[2 * m + 1], z[3], o[3]);
+        }
     }
 }
 
-// Register sets in flight per warp (24 registers each).
-#define SB4_DEPTH 4
-
-template <int NTT>
+template <int NTT, int MR_>
 struct Q4Body {
-    using Sb = Q4Sb;
-    float acc[1][NTT][4];
-    const u8* rg;
-    const u8* rh;
+    static constexpr int MR = MR_;
+    using Sb = Q4Sb<MR>;    // 24 MR registers
+    float acc[MR][NTT][4];
+    const u8* rows[2 * MR];
     int g, t4;
-    __device__ __forceinline__ void load(Sb& s, int sb) const { q4sb_load(s, rg, rh, sb, t4); }
+    __device__ __forceinline__ void load(Sb& s, int sb) const { q4sb_load<MR>(s, rows, sb, t4); }
     __device__ __forceinline__ void compute(const Sb& s, const u8* sqb, int rs, const float* sdsb) {
-        q4sb_compute<NTT>(acc, s, sqb, rs, sdsb, g, t4);
+        q4sb_compute<NTT, MR>(acc, s, sqb, rs, sdsb, g, t4);
     }
 };
 
-template <int NTT>
+// NTT n-tiles (T <= 8 NTT), MR m-tiles per warp, D super-blocks in flight per warp.
+template <int NTT, int MR, int D>
 __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q4_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
     pdl_entry();
-    sb_gemm<NTT, SB4_PAD, SB4_DEPTH, 144, Q4Body<NTT>>(W, Aq, Ads, Y, T, N, K, ch, parts, Wsp, Cnt);
+    sb_gemm<NTT, SB4_PAD, D, 144, Q4Body<NTT, MR>>(W, Aq, Ads, Y, T, N, K, ch, parts, Wsp, Cnt);
 }

@@ -1,6 +1,8 @@
 // mmsb_q6_k.cu: small-batch GEMM y[T, N] = x[T, K] . W[N, K]^T, W in q6_K blocks (raw 210-byte
-// or padded 224-byte), x in q8_1 blocks, T <= 8 NTT (NTT = 1, 2), f32 output [T, N]; skeleton, grid and
-// shared-memory layout in mmsb_common.cuh (weights = MMA A operand, tokens = B operand).
+// or padded 224-byte), x in q8_1 blocks, T <= 8 NTT (instance <NTT, MR, D, PADDED>: NTT n-tiles,
+// MR m-tiles per warp, a ring of D super-blocks in flight; registry.MMSB_CONFIGS), f32 output
+// [T, N]; skeleton, grid and shared-memory layout in mmsb_common.cuh (weights = MMA A operand,
+// tokens = B operand).
 //
 // Inputs: W uint8 [N, K/256 * BS] (ql[128] @0, qh[64] @128, sc[16] int8 @192, d f16 @208;
 //         BS = 224 with 14 zero bytes, or 210); Aq int8 [T, K], Ads float2 [T, K/32].
@@ -9,7 +11,7 @@
 //
 // Fragments (m16n8k16, k in natural order): unit (h, l0), h = half, l0 in {0, 16}: lane (g, t)
 // loads the words ql[64h + l0 + 4t], ql[64h + 32 + l0 + 4t], qh[32h + l0 + 4t] of rows g and
-// g+8; common.cuh q6_word(.., qq) turns them into the 4 centred int8 of elements
+// g+8 of each m-tile; common.cuh q6_word(.., qq) turns them into the 4 centred int8 of elements
 // 128h + 32qq + l0 + 4t.. = positions 4t..4t+3 of sub-block j = 8h + 2qq + l0/16: the A
 // fragment a0 (row g) / a1 (row g+8) of that sub-block, against b0 = the activation word of
 // token g at the same elements (one 4-byte shared load). Padded rows: 4-byte loads; raw rows
@@ -31,20 +33,21 @@ __device__ __forceinline__ u32 ld_w32(const u8* p) {        // 4 bytes at p (raw
     return (u32)__ldg(q) | ((u32)__ldg(q + 1) << 16);
 }
 
-struct Q6Sb {               // one super-block of a lane's two rows
-    u32 ql0[2][2][2];       // [row][h][l0 / 16]: ql[64h + l0 + 4t]
-    u32 ql1[2][2][2];       //                    ql[64h + 32 + l0 + 4t]
-    u32 qh[2][2][2];        //                    qh[32h + l0 + 4t]
-    u32 sc[2][4];           // [row]: the 16 int8 scales
-    u32 d[2];               // [row]: d (f16, low 16 bits)
+template <int MR>
+struct Q6Sb {               // one super-block of a lane's 2 MR rows (r = 2 m + h: row 16 m + g + 8 h)
+    u32 ql0[2 * MR][2][2];  // [row][h][l0 / 16]: ql[64h + l0 + 4t]
+    u32 ql1[2 * MR][2][2];  //                    ql[64h + 32 + l0 + 4t]
+    u32 qh[2 * MR][2][2];   //                    qh[32h + l0 + 4t]
+    u32 sc[2 * MR][4];      // [row]: the 16 int8 scales
+    u32 d[2 * MR];          // [row]: d (f16, low 16 bits)
 };
 
-template <bool PADDED>
-__device__ __forceinline__ void q6sb_load(Q6Sb& s, const u8* rg, const u8* rh, int sb, int t4) {
+template <int MR, bool PADDED>
+__device__ __forceinline__ void q6sb_load(Q6Sb<MR>& s, const u8* const (&rows)[2 * MR], int sb, int t4) {
     constexpr int BS = PADDED ? 224 : 210;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const u8* b = (r ? rh : rg) + (size_t)sb * BS;
+    for (int r = 0; r < 2 * MR; ++r) {
+        const u8* b = rows[r] + (size_t)sb * BS;
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -59,28 +62,30 @@ __device__ __forceinline__ void q6sb_load(Q6Sb& s, const u8* rg, const u8* rh, i
     }
 }
 
-template <int NTT>
-__device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb& s, const u8* sqb, int rs,
+template <int NTT, int MR>
+__device__ __forceinline__ void q6sb_compute(float (&acc)[MR][NTT][4], const Q6Sb<MR>& s, const u8* sqb, int rs,
                                              const float* sdsb, int g, int t4) {
     constexpr int TP = 8 * NTT;
-    const float dg = f16_to_f32((u16)s.d[0]), dh = f16_to_f32((u16)s.d[1]);
+    float dw[2 * MR];
+#pragma unroll
+    for (int r = 0; r < 2 * MR; ++r) dw[r] = f16_to_f32((u16)s.d[r]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int qq = 0; qq < 4; ++qq) {
             const int blk = 4 * h + qq;                      // q8_1 block of the super-block
-            // A words of the two sub-blocks 2 blk (l = 0) and 2 blk + 1 (l = 1), rows g / g+8
-            u32 a[2][2];
-            float ds[2][2], mds[2][2];
+            // A words of the two sub-blocks 2 blk (l = 0) and 2 blk + 1 (l = 1), per lane row r
+            u32 a[2][2 * MR];
+            float ds[2][2 * MR], mds[2][2 * MR];
 #pragma unroll
             for (int l = 0; l < 2; ++l)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
+                for (int r = 0; r < 2 * MR; ++r) {
                     const u32 qlw = (qq & 1) ? s.ql1[r][h][l] : s.ql0[r][h][l];
                     a[l][r] = q6_word(qlw, s.qh[r][h][l], qq);
                     const int j = 2 * blk + l;              // scale byte j of sc
                     const int sc = (int)(signed char)(s.sc[r][j >> 2] >> (8 * (j & 3)));
-                    ds[l][r] = (r ? dh : dg) * (float)sc;
+                    ds[l][r] = dw[r] * (float)sc;
                     mds[l][r] = -MMQ_MAGIC_F * ds[l][r];
                 }
 #pragma unroll
@@ -88,45 +93,46 @@ __device__ __forceinline__ void q6sb_compute(float (&acc)[1][NTT][4], const Q6Sb
                 const u8* brow = sqb + (8 * nt + g) * rs + 32 * blk + 4 * t4;
                 const u32 b0 = *reinterpret_cast<const u32*>(brow);
                 const u32 b1 = *reinterpret_cast<const u32*>(brow + 16);
-                int dl[4], dhi[4];
-                mma_s8_k16(dl, a[0][0], a[0][1], b0, MMQ_MAGIC_I);
-                mma_s8_k16(dhi, a[1][0], a[1][1], b1, MMQ_MAGIC_I);
                 const float4 d8 = *reinterpret_cast<const float4*>(sdsb + 2 * (blk * TP + 8 * nt + 2 * t4));
-                float* o = acc[0][nt];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = i >> 1;
-                    const float u = fmaf(__int_as_float(dl[i]), ds[0][r], mds[0][r]);
-                    const float v = fmaf(__int_as_float(dhi[i]), ds[1][r], mds[1][r]);
-                    o[i] = fmaf(u + v, (i & 1) ? d8.z : d8.x, o[i]);
+                for (int m = 0; m < MR; ++m) {
+                    int dl[4], dhi[4];
+                    mma_s8_k16(dl, a[0][2 * m], a[0][2 * m + 1], b0, MMQ_MAGIC_I);
+                    mma_s8_k16(dhi, a[1][2 * m], a[1][2 * m + 1], b1, MMQ_MAGIC_I);
+                    float* o = acc[m][nt];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = 2 * m + (i >> 1);
+                        const float u = fmaf(__int_as_float(dl[i]), ds[0][r], mds[0][r]);
+                        const float v = fmaf(__int_as_float(dhi[i]), ds[1][r], mds[1][r]);
+                        o[i] = fmaf(u + v, (i & 1) ? d8.z : d8.x, o[i]);
+                    }
                 }
             }
         }
     }
 }
 
-// Register sets in flight per warp (34 registers each).
-#define SB6_DEPTH 3
-
-template <int NTT, bool PADDED>
+template <int NTT, int MR_, bool PADDED>
 struct Q6Body {
-    using Sb = Q6Sb;
-    float acc[1][NTT][4];
-    const u8* rg;
-    const u8* rh;
+    static constexpr int MR = MR_;
+    using Sb = Q6Sb<MR>;    // 34 MR registers
+    float acc[MR][NTT][4];
+    const u8* rows[2 * MR];
     int g, t4;
-    __device__ __forceinline__ void load(Sb& s, int sb) const { q6sb_load<PADDED>(s, rg, rh, sb, t4); }
+    __device__ __forceinline__ void load(Sb& s, int sb) const { q6sb_load<MR, PADDED>(s, rows, sb, t4); }
     __device__ __forceinline__ void compute(const Sb& s, const u8* sqb, int rs, const float* sdsb) {
-        q6sb_compute<NTT>(acc, s, sqb, rs, sdsb, g, t4);
+        q6sb_compute<NTT, MR>(acc, s, sqb, rs, sdsb, g, t4);
     }
 };
 
-template <int NTT, bool PADDED>
+// NTT n-tiles (T <= 8 NTT), MR m-tiles per warp, D super-blocks in flight per warp.
+template <int NTT, int MR, int D, bool PADDED>
 __global__ void __launch_bounds__(SB_THREADS)
 mmsb_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {
     pdl_entry();
-    sb_gemm<NTT, SB6_PAD, SB6_DEPTH, PADDED ? 224 : 210, Q6Body<NTT, PADDED>>(W, Aq, Ads, Y, T, N, K, ch, parts,
-                                                                              Wsp, Cnt);
+    sb_gemm<NTT, SB6_PAD, D, PADDED ? 224 : 210, Q6Body<NTT, MR, PADDED>>(W, Aq, Ads, Y, T, N, K, ch, parts,
+                                                                          Wsp, Cnt);
 }

@@ -67,12 +67,14 @@ step_sweep() {
 }
 
 # Small batches (issue 12): every small-batch candidate (gemm_bench --variants small) at
-# T = 1..128 on the 7B shapes, then the bench verb's pp1..pp128 rows with the per-op breakdown.
+# T = 1..128 on the 7B shapes, then the bench verb's pp1..pp128 rows with the per-op breakdown
+# (SMALL_PP=none: the GEMM rows only).
 step_small() {
-  python3 -m dev.gemm_bench --variants small --tokens "${SMALL_TOKENS:-1,8,16,32,64,128}" --reps 10 \
+  python3 -m dev.gemm_bench --variants "${SMALL_VARIANTS:-small}" --tokens "${SMALL_TOKENS:-1,8,16,32,64,128}" --reps 10 \
       --shapes "${SMALL_SHAPES:-7b}" --json "$OUT/gemm_small.json" > "$OUT/gemm_small.log" 2>&1
   local rc=$?
   python3 -m dev.gemm_pick "$OUT/gemm_small.json" || rc=1
+  [ "${SMALL_PP:-}" = none ] && return $rc     # the GEMM rows only
   local m=/tmp/l7b.gguf
   [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
   timeout 300 python3 -m engine bench --model "$m" --device gpu -p "${SMALL_PP:-1,8,32,64,128}" -r 5 --breakdown \

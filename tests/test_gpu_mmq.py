@@ -310,16 +310,20 @@ def test_default_variant_dispatch(cp, rng, kind, T, N):
 
 # ----------------------------------------------------------------------------- small batch (mmsb)
 
-# (T, N, K): both n-tile counts (T = 1..16, ragged T), ragged row tiles (N % 64 != 0), an odd
+# (T, N, K): every n-tile count (T = 1..64, ragged T), ragged row tiles (N % 64 != 0), an odd
 # super-block count (K = 768: 3), K = 4096 / 11008 as in the 7B shapes.
 SB_SHAPES = [(1, 200, 768), (5, 64, 256), (8, 333, 1024), (9, 130, 768), (16, 257, 4096),
-             (16, 136, 11008), (2, 65, 512)]
+             (16, 136, 11008), (2, 65, 512), (32, 300, 4096), (27, 129, 11008), (64, 200, 1024),
+             (41, 70, 768)]
+# the production (MR, D) per n-tile count and the other m-tile count (registry.mmsb_config)
+SB_VARIANTS = ["mmsb", "mmsb.r2d2", "mmsb.r1d3"]
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("T,N,K", SB_SHAPES)
 @pytest.mark.parametrize("parts", [None, 1, 2, 3])
-def test_mmsb(cp, rng, kind, T, N, K, parts):
+@pytest.mark.parametrize("variant", SB_VARIANTS)
+def test_mmsb(cp, rng, kind, T, N, K, parts, variant):
     """Small-batch GEMM against the oracle within the bound, forced and planned K-splits; the
     same bits on a rerun (the split sums in a fixed order); q6_K raw == padded bit for bit."""
     from engine.gpu.ops import mmq as gpu_ops
@@ -333,7 +337,6 @@ def test_mmsb(cp, rng, kind, T, N, K, parts):
     q, d, s = Q.quantize_q8_1(x)
     act = gpu_ops.quantize_q8_1(cp.asarray(x))
     split = None if parts is None else (0, parts)
-    variant = gpu_ops.MMSB_VARIANT
     layouts = {"raw": upload_weight(w, kind.upper(), pad_q6k=False)}
     if kind == "q6_k":
         layouts["padded"] = upload_weight(w, kind.upper(), pad_q6k=True)
@@ -361,4 +364,4 @@ def test_mmsb_dispatch_tiers(cp):
         for T in range(1, 129):
             v = gpu_ops.choose_variant(kind, T, 4096)
             name = registry.mmq_split_name(v)[0]
-            assert name in (registry.MMVQ_VARIANT, registry.MMSB_VARIANT) or name in registry.MMQ_CONFIGS[kind], v
+            assert name == registry.MMVQ_VARIANT or registry.is_mmsb(v) or name in registry.MMQ_CONFIGS[kind], v

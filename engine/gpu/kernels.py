@@ -28,7 +28,7 @@ from engine.gpu.launch import Kernel
 # The production instances and the MMQ tile names / configurations live in engine.gpu.registry
 # (a leaf module); re-exported here for the launchers and tests.
 from engine.gpu.registry import (  # noqa: F401
-    INSTANCES, MMQ_CONFIGS, MMQ_LAST_FIELD, MMQ_SPLIT_SUFFIX, MMSB_MAX_TOKENS, MMSB_VARIANT, MMVQ_VARIANT, instance_count, mmq_config, mmq_instance,
+    INSTANCES, MMQ_CONFIGS, MMQ_LAST_FIELD, MMQ_SPLIT_SUFFIX, MMSB_MAX_TOKENS, MMSB_VARIANT, MMVQ_VARIANT, instance_count, is_mmsb, mmq_config, mmq_instance,
     mmq_split_name, mmq_variants,
 )
 
@@ -46,7 +46,7 @@ def mmq_uses_tc(kind: str, variant: str) -> bool:
     never the decode GEMV, MMVQ_VARIANT)."""
     if variant == MMVQ_VARIANT:
         return False
-    if mmq_split_name(variant)[0] == MMSB_VARIANT:      # mmsb_q4_k.cu: the min term on TF32, as MMQ
+    if is_mmsb(variant):      # mmsb_q4_k.cu: the min term on TF32, as MMQ
         return MMQ_LAST_FIELD.get(kind) == "tc"
     return MMQ_LAST_FIELD.get(kind) == "tc" and bool(mmq_config(kind, variant)[6])
 

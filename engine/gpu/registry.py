@@ -15,6 +15,8 @@ kernels, so the listed name is also the lowered name.
 """
 from __future__ import annotations
 
+import re
+
 # ----------------------------------------------------------------------------- MMQ (prefill GEMMs)
 
 # name -> (MT, NT, WM, WN, MINB, KS, TC): warp tile (16 MT) tokens x (8 NT) rows, WM x WN warps,
@@ -118,10 +120,16 @@ def mmq_launched(kind: str) -> list[tuple[str, bool]]:
 # ----------------------------------------------------------------------------- small batch
 
 # mmsb_q4_k.cu / mmsb_q6_k.cu (launched by engine.gpu.ops.mmsb): one instance per n-tile count
-# NTT (T <= 8 NTT tokens) and, for q6_K, row layout. The variant name MMSB_VARIANT (optionally
-# "+splitP": at most P K-parts) is what choose_variant returns for them.
+# NTT (T <= 8 NTT tokens) and, for q6_K, row layout, with MMSB_CONFIGS[kind][NTT] = (MR m-tiles
+# per warp, D super-blocks in flight per warp). The variant name MMSB_VARIANT (optionally
+# "+splitP": at most P K-parts) is what choose_variant returns for them; "mmsb.r<MR>d<D>" names
+# another (MR, D) for measurements (gemm_bench), compiled on demand.
 MMSB_VARIANT = "mmsb"
-MMSB_NTT = (1, 2)            # 4, 8, 16 (T <= 128) lost to the MMQ small tiles: dev/RETIRED.md
+MMSB_CONFIGS: dict[str, dict[int, tuple[int, int]]] = {
+    "q4_k": {1: (1, 4), 2: (1, 4), 4: (2, 2), 8: (2, 2)},
+    "q6_k": {1: (1, 3), 2: (1, 3), 4: (2, 2), 8: (2, 1)},
+}
+MMSB_NTT = (1, 2, 4, 8)
 MMSB_MAX_TOKENS = 8 * MMSB_NTT[-1]
 
 
@@ -133,12 +141,29 @@ def mmsb_ntt(tokens: int) -> int:
     raise ValueError(f"mmsb: {tokens} tokens is over the small-batch limit {MMSB_MAX_TOKENS}")
 
 
-def mmsb_instance(kind: str, ntt: int, padded: bool = True) -> str:
+def mmsb_config(variant: str) -> tuple[int, int] | None | bool:
+    """What a variant name says about the small-batch kernel: False if it is not one, None for
+    MMSB_VARIANT (the MMSB_CONFIGS choice), (MR, D) for "mmsb.r<MR>d<D>"; "+split.." ignored."""
+    name = mmq_split_name(variant)[0]
+    if name == MMSB_VARIANT:
+        return None
+    m = re.fullmatch(re.escape(MMSB_VARIANT) + r"\.r([12])d([1-6])", name)
+    return (int(m.group(1)), int(m.group(2))) if m else False
+
+
+def is_mmsb(variant: str) -> bool:
+    return mmsb_config(variant) is not False
+
+
+def mmsb_instance(kind: str, ntt: int, padded: bool = True, mr_d: tuple[int, int] | None = None) -> str:
+    """Template instance of the small-batch kernel for NTT n-tiles (mr_d: (MR, D), default
+    MMSB_CONFIGS)."""
+    if kind not in MMSB_CONFIGS:
+        raise ValueError(f"no small-batch kernel for {kind!r}")
+    mr, d = mr_d or MMSB_CONFIGS[kind][ntt]
     if kind == "q4_k":
-        return f"mmsb_q4_k<{ntt}>"
-    if kind == "q6_k":
-        return f"mmsb_q6_k<{ntt}, {str(padded).lower()}>"
-    raise ValueError(f"no small-batch kernel for {kind!r}")
+        return f"mmsb_q4_k<{ntt}, {mr}, {d}>"
+    return f"mmsb_q6_k<{ntt}, {mr}, {d}, {str(padded).lower()}>"
 
 
 # ----------------------------------------------------------------------------- decode

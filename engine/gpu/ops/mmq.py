@@ -9,6 +9,7 @@ and returns without synchronizing.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -23,8 +24,8 @@ from engine.gpu.weights import DeviceWeight
 # The production tile choice (which config when, tail split or not) is registry data, next to the
 # instance list it decides; see engine.gpu.registry for the measurements behind it.
 from engine.gpu.registry import (DEFAULT_SPLIT, DEFAULT_VARIANT, MMSB_VARIANT, MMVQ_VARIANT,  # noqa: E402,F401
-                                 SMALL_BATCH_TIERS, SMALL_BATCH_WIDE, SMALL_VARIANT, SPLIT_MAX_PARTS,
-                                 split_max_parts)
+                                 MMSB_MAX_TOKENS, SMALL_BATCH_TIERS, SMALL_BATCH_WIDE, SMALL_VARIANT,
+                                 SPLIT_MAX_PARTS, is_mmsb, split_max_parts)
 _SPLIT_BUFFERS: dict[int, tuple] = {}
 _RETIRED_BUFFERS: list = []      # outgrown workspaces, kept: CUDA graphs (prefill_graph.py) hold their pointers
 
@@ -35,7 +36,11 @@ def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = Non
     """The production kernel for a [tokens x rows] output: the decode GEMV (MMVQ_VARIANT) or
     an MMQ tile variant, by registry.SMALL_BATCH_WIDE (wide matrices) and SMALL_BATCH_TIERS,
     then by whether the 64-token grid fits on the SMs (the 64-token tile, K split so the grid
-    fills them) or not (DEFAULT_VARIANT)."""
+    fills them) or not (DEFAULT_VARIANT). GGUF_PREFILL_MMSB_TOKENS=N[:VARIANT] (measurement):
+    the small-batch kernel (MMSB_VARIANT or the one named) for every T = 2..N, before the tables."""
+    max_t, sb_variant = mmsb_override()
+    if 2 <= tokens <= max_t:
+        return sb_variant
     for min_t, max_t, min_rows, v in SMALL_BATCH_WIDE[kind]:
         if min_t <= tokens <= max_t and rows >= min_rows:
             return v
@@ -47,6 +52,21 @@ def choose_variant(kind: str, tokens: int, rows: int, sm_count: int | None = Non
     if small_blocks <= sms:
         return SMALL_VARIANT[kind] + kernels.MMQ_SPLIT_SUFFIX
     return DEFAULT_VARIANT[kind] + (kernels.MMQ_SPLIT_SUFFIX if DEFAULT_SPLIT[kind] else "")
+
+
+def mmsb_override() -> tuple[int, str]:
+    """GGUF_PREFILL_MMSB_TOKENS=N[:VARIANT] -> (N, VARIANT or MMSB_VARIANT); (0, ..) when unset:
+    the small-batch kernel up to N tokens whatever SMALL_BATCH_TIERS says (an A/B of the
+    crossover, or of a registry.mmsb_config variant, in one call)."""
+    raw = os.environ.get("GGUF_PREFILL_MMSB_TOKENS", "").strip()
+    if not raw:
+        return 0, MMSB_VARIANT
+    n, _, variant = raw.partition(":")
+    variant = variant or MMSB_VARIANT
+    if not n.isdigit() or int(n) > MMSB_MAX_TOKENS or not is_mmsb(variant):
+        raise ValueError(f"GGUF_PREFILL_MMSB_TOKENS={raw[:40]!r}: want N[:VARIANT], N a token count "
+                         f"0..{MMSB_MAX_TOKENS}, VARIANT {MMSB_VARIANT} or {MMSB_VARIANT}.r<MR>d<D>")
+    return int(n), variant
 
 
 def split_plan(tiles: int, slots: int, stages: int, max_parts: int = SPLIT_MAX_PARTS) -> tuple[int, int]:
@@ -142,7 +162,7 @@ def mmq(weight: DeviceWeight, act: Q8Act, out=None, variant: str | None = None,
     if kind not in kernels.MMQ_CONFIGS:
         raise ValueError(f"mmq: no GEMM kernel for weight type {weight.type_name}")
     variant = variant or choose_variant(kind, T, N)
-    if kernels.mmq_split_name(variant)[0] == MMSB_VARIANT:
+    if kernels.is_mmsb(variant):
         from engine.gpu.ops.mmsb import mmsb
 
         return mmsb(weight, act, out, _sm_count(), variant, parts=None if split is None else split[1],

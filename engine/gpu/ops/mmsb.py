@@ -1,13 +1,14 @@
-"""Small-batch GEMMs (mmsb_q4_k.cu / mmsb_q6_k.cu): y[T, N] = W x for T <= MMSB_MAX_TOKENS (16) tokens of q8_1
-activations, with the K-split plan that fills the GPU in one wave; on the current stream, no sync.
+"""Small-batch GEMMs (mmsb_q4_k.cu / mmsb_q6_k.cu): y[T, N] = W x for T <= MMSB_MAX_TOKENS tokens of q8_1
+activations, with the K-split plan that fills the GPU; on the current stream, no sync.
 
     y = mmsb(weight, act, out, sm_count)      # DeviceWeight [N, K], Q8Act [T, K] -> y [T, N]
 
-Plan (plan()): row tiles of ROWS_PER_BLOCK; the kernel's resident blocks per SM (registers and
-shared memory) times the SMs are the slots; parts = the K-split that fills them without a
-second wave (each tile's parts sum in a fixed order, common.cuh mmq_split_reduce); the
-activations of a block's K range are staged at once when they fit STAGE_BUDGET bytes, else in
-stages of `ch` super-blocks.
+Plan (plan()): row tiles of rows_per_block(MR) (4 warps x MR m-tiles of 16 rows); the kernel's
+resident blocks per SM (registers and shared memory) times the SMs are the slots; parts = the
+K-split with the least predicted time, waves x (super-blocks per part + the partial sums' round
+trip) (each tile's parts sum in a fixed order, common.cuh mmq_split_reduce); the activations of a block's K range are staged at
+once when they fit the shared memory that the register-bound occupancy leaves to a block, else
+in stages of `ch` super-blocks.
 """
 from __future__ import annotations
 
@@ -17,17 +18,23 @@ import numpy as np
 
 from engine.gpu import kernels, registry
 
-ROWS_PER_BLOCK = 64          # SB_ROWS of mmsb_common.cuh (4 warps x 16 weight rows)
-THREADS = 128
+WARPS = 4                    # SB_WARPS of mmsb_common.cuh
+THREADS = 32 * WARPS
 MAX_PARTS = 16
-STAGE_BUDGET = 48 * 1024     # shared memory of one activation stage (a block's whole K range if it fits)
+MAX_STAGE = 160 * 1024       # shared memory of one activation stage, at most
 SMEM_PER_SM = 228 * 1024     # sm_90, 1 KB of it reserved per block
 _PAD = {"q4_k": 32, "q6_k": 16}  # SB4_PAD / SB6_PAD
+_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
 KERNEL_FILE = {"q4_k": "mmsb_q4_k.cu", "q6_k": "mmsb_q6_k.cu"}
 
 
+def rows_per_block(mr: int) -> int:
+    """sb_rows of mmsb_common.cuh."""
+    return 16 * mr * WARPS
+
+
 class SbPlan(NamedTuple):
-    tiles: int        # row tiles of ROWS_PER_BLOCK
+    tiles: int        # row tiles of rows_per_block(MR)
     parts: int        # K-parts per tile
     ch: int           # super-blocks per activation stage
     smem: int         # dynamic shared memory (bytes)
@@ -47,19 +54,25 @@ def blocks_per_sm(regs: int, smem: int) -> int:
 
 
 def plan(kind: str, T: int, N: int, K: int, sm_count: int, regs: int, max_parts: int = MAX_PARTS,
-         parts: int | None = None) -> SbPlan:
+         parts: int | None = None, mr: int = 1) -> SbPlan:
     ntt = registry.mmsb_ntt(T)
     nsb = K // 256
-    tiles = -(-N // ROWS_PER_BLOCK)
+    tiles = -(-N // rows_per_block(mr))
     per_sb = smem_bytes(kind, ntt, 1) - _PAD[kind] * 8 * ntt
+    budget = min(MAX_STAGE, SMEM_PER_SM // blocks_per_sm(regs, 0) - 1024 - _PAD[kind] * 8 * ntt)
     if parts is None:
-        ch1 = max(1, min(nsb, STAGE_BUDGET // per_sb))
+        ch1 = max(1, min(nsb, budget // per_sb))
         slots = sm_count * blocks_per_sm(regs, smem_bytes(kind, ntt, ch1))
-        parts = max(1, min(slots // tiles, nsb, max_parts))
+        # least waves x (super-blocks per part + the split's round trip of partial sums,
+        # 2 x 4 bytes per row and staged token, in units of a super-block's bytes per row),
+        # then fewest parts
+        red = 8 * 8 * ntt / _BLOCK_BYTES[kind]
+        parts = min(range(1, max(1, min(nsb, max_parts)) + 1),
+                    key=lambda p: (-(-tiles * p // slots) * (-(-nsb // p) + (red if p > 1 else 0.0)), p))
     if not 1 <= parts <= max(1, nsb):
         raise ValueError(f"mmsb: {parts} parts for K={K}")
     span = -(-nsb // parts)                       # most super-blocks of one part
-    ch = max(1, min(span, STAGE_BUDGET // per_sb))
+    ch = max(1, min(span, budget // per_sb))
     smem = smem_bytes(kind, ntt, ch)
     return SbPlan(tiles, parts, ch, smem, blocks_per_sm(regs, smem))
 
@@ -67,20 +80,22 @@ def plan(kind: str, T: int, N: int, K: int, sm_count: int, regs: int, max_parts:
 def mmsb(weight, act, out, sm_count: int, variant: str = registry.MMSB_VARIANT,
          parts: int | None = None, workspace=None):
     """out[T, N] = weight . act^T (T <= registry.MMSB_MAX_TOKENS). variant: MMSB_VARIANT or
-    MMSB_VARIANT+"+splitP" (at most P parts); parts forces the K-split (tests). workspace(n_floats,
-    n_slots) -> (float32 ws, uint32 counters) for parts > 1 (the MMQ tail-split buffers)."""
+    "mmsb.r<MR>d<D>" (registry.mmsb_config), optionally +"+splitP" (at most P parts); parts forces
+    the K-split (tests). workspace(n_floats, n_slots) -> (float32 ws, uint32 counters) for
+    parts > 1 (the MMQ tail-split buffers)."""
     T, K = act.tokens, act.cols
     N = weight.rows
     kind = weight.kind
     ntt = registry.mmsb_ntt(T)
     padded = bool(getattr(weight, "padded", False))
-    name = registry.mmsb_instance(kind, ntt, padded)
+    mr_d = registry.mmsb_config(variant) or registry.MMSB_CONFIGS[kind][ntt]
+    name = registry.mmsb_instance(kind, ntt, padded, mr_d)
     k = kernels.get_kernel(KERNEL_FILE[kind], name)
     cap = registry.split_max_parts(variant) if registry.mmq_split_name(variant)[1] else MAX_PARTS
-    p = plan(kind, T, N, K, sm_count, int(k.num_regs), cap, parts)
+    p = plan(kind, T, N, K, sm_count, int(k.num_regs), cap, parts, mr=mr_d[0])
     k = kernels.get_kernel(KERNEL_FILE[kind], name, dynamic_smem=p.smem)
     if p.parts > 1:
-        ws, cnt = workspace(p.tiles * p.parts * ntt * 4 * THREADS, p.tiles)
+        ws, cnt = workspace(p.tiles * p.parts * mr_d[0] * ntt * 4 * THREADS, p.tiles)
     else:
         ws = cnt = out
     k((p.tiles, p.parts), (THREADS,), (weight.data, act.q, act.ds, out, np.int32(T), np.int32(N), np.int32(K),
