@@ -284,17 +284,15 @@ def main(argv=None) -> int:
                                    dynamic_smem=kernels.mmq_smem_bytes(kind, v))
             print(f"# {kind} {v:11s} {kernels.mmq_instance(kind, v):26s} regs {k.num_regs} "
                   f"local {k.local_size_bytes} B smem {kernels.mmq_smem_bytes(kind, v)} B")
-    for v in dict.fromkeys(variants or ()):
-        if kernels.is_mmsb(v):
-            from engine.gpu import registry
-            from engine.gpu.ops.mmsb import KERNEL_FILE
-            for kind in sorted({sk for sk, _, _ in shapes}):
-                for ntt in registry.MMSB_NTT:
-                    if not any(t <= 8 * ntt and (ntt == 1 or t > 4 * ntt) for t in tokens):
-                        continue
-                    name = registry.mmsb_instance(kind, ntt, True, registry.mmsb_config(v))
-                    k = kernels.get_kernel(KERNEL_FILE[kind], name)
-                    print(f"# {kind} {v:11s} {name:26s} regs {k.num_regs} local {k.local_size_bytes} B")
+    from engine.gpu import registry
+    from engine.gpu.ops.mmsb import KERNEL_FILE
+    sb_ntts = sorted({registry.mmsb_ntt(t) for t in tokens if t <= registry.MMSB_MAX_TOKENS})
+    for v in [v for v in dict.fromkeys(variants or ()) if kernels.is_mmsb(v)]:
+        for kind in sorted({sk for sk, _, _ in shapes}):
+            for ntt in sb_ntts:
+                name = registry.mmsb_instance(kind, ntt, True, v)
+                k = kernels.get_kernel(KERNEL_FILE[kind], name)
+                print(f"# {kind} {v:11s} {name:26s} regs {k.num_regs} local {k.local_size_bytes} B")
     print(HEADER, flush=True)
     rows = run(tokens=tokens, variants=variants, reps=a.reps, shapes=shapes,
                log=lambda s: print(s, flush=True), timing=a.timing)

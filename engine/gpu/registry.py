@@ -141,26 +141,28 @@ def mmsb_ntt(tokens: int) -> int:
     raise ValueError(f"mmsb: {tokens} tokens is over the small-batch limit {MMSB_MAX_TOKENS}")
 
 
-def mmsb_config(variant: str) -> tuple[int, int] | None | bool:
-    """What a variant name says about the small-batch kernel: False if it is not one, None for
-    MMSB_VARIANT (the MMSB_CONFIGS choice), (MR, D) for "mmsb.r<MR>d<D>"; "+split.." ignored."""
-    name = mmq_split_name(variant)[0]
-    if name == MMSB_VARIANT:
-        return None
-    m = re.fullmatch(re.escape(MMSB_VARIANT) + r"\.r([12])d([1-6])", name)
-    return (int(m.group(1)), int(m.group(2))) if m else False
+_MMSB_NAME = re.compile(re.escape(MMSB_VARIANT) + r"(?:\.r([12])d([1-6]))?")
 
 
 def is_mmsb(variant: str) -> bool:
-    return mmsb_config(variant) is not False
+    """MMSB_VARIANT or "mmsb.r<MR>d<D>", optionally with "+splitP"."""
+    return _MMSB_NAME.fullmatch(mmq_split_name(variant)[0]) is not None
 
 
-def mmsb_instance(kind: str, ntt: int, padded: bool = True, mr_d: tuple[int, int] | None = None) -> str:
-    """Template instance of the small-batch kernel for NTT n-tiles (mr_d: (MR, D), default
-    MMSB_CONFIGS)."""
+def mmsb_config(kind: str, ntt: int, variant: str = MMSB_VARIANT) -> tuple[int, int]:
+    """(MR, D) of a small-batch variant at NTT n-tiles: the one "mmsb.r<MR>d<D>" names, else
+    MMSB_CONFIGS."""
+    m = _MMSB_NAME.fullmatch(mmq_split_name(variant)[0])
+    if m is None:
+        raise ValueError(f"{variant!r} is not a small-batch variant ({MMSB_VARIANT} or {MMSB_VARIANT}.r<MR>d<D>)")
     if kind not in MMSB_CONFIGS:
         raise ValueError(f"no small-batch kernel for {kind!r}")
-    mr, d = mr_d or MMSB_CONFIGS[kind][ntt]
+    return (int(m.group(1)), int(m.group(2))) if m.group(1) else MMSB_CONFIGS[kind][ntt]
+
+
+def mmsb_instance(kind: str, ntt: int, padded: bool = True, variant: str = MMSB_VARIANT) -> str:
+    """Template instance of the small-batch kernel for NTT n-tiles (mmsb_config)."""
+    mr, d = mmsb_config(kind, ntt, variant)
     if kind == "q4_k":
         return f"mmsb_q4_k<{ntt}, {mr}, {d}>"
     return f"mmsb_q6_k<{ntt}, {mr}, {d}, {str(padded).lower()}>"

@@ -88,14 +88,14 @@ def mmsb(weight, act, out, sm_count: int, variant: str = registry.MMSB_VARIANT,
     kind = weight.kind
     ntt = registry.mmsb_ntt(T)
     padded = bool(getattr(weight, "padded", False))
-    mr_d = registry.mmsb_config(variant) or registry.MMSB_CONFIGS[kind][ntt]
-    name = registry.mmsb_instance(kind, ntt, padded, mr_d)
+    mr = registry.mmsb_config(kind, ntt, variant)[0]
+    name = registry.mmsb_instance(kind, ntt, padded, variant)
     k = kernels.get_kernel(KERNEL_FILE[kind], name)
     cap = registry.split_max_parts(variant) if registry.mmq_split_name(variant)[1] else MAX_PARTS
-    p = plan(kind, T, N, K, sm_count, int(k.num_regs), cap, parts, mr=mr_d[0])
+    p = plan(kind, T, N, K, sm_count, int(k.num_regs), cap, parts, mr=mr)
     k = kernels.get_kernel(KERNEL_FILE[kind], name, dynamic_smem=p.smem)
     if p.parts > 1:
-        ws, cnt = workspace(p.tiles * p.parts * mr_d[0] * ntt * 4 * THREADS, p.tiles)
+        ws, cnt = workspace(p.tiles * p.parts * mr * ntt * 4 * THREADS, p.tiles)
     else:
         ws = cnt = out
     k((p.tiles, p.parts), (THREADS,), (weight.data, act.q, act.ds, out, np.int32(T), np.int32(N), np.int32(K),
