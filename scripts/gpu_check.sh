@@ -85,7 +85,8 @@ step_small() {
 }
 
 # Nsight Compute stall profile of the GEMM kernels (NCU_ARGS: ';'-separated "T N K [VARIANT]" for
-# ncu_mmq.py; each profiles the second launch of the q4_K and the q6_K kernel).
+# ncu_mmq.py; each profiles the second launch of the q4_K and the q6_K kernel; NCU_SOURCE=1 also
+# writes ncu_src_<i>.csv, the q4_K kernel's stall samples per SASS instruction).
 step_ncu() {
   local ncu rc=0 args i=0; ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
@@ -99,6 +100,11 @@ step_ncu() {
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 -m dev.ncu_mmq $args > "$OUT/ncu_$i.txt" 2>&1 || rc=1
     echo "--- ncu $args"
+    if [ -n "${NCU_SOURCE:-}" ]; then   # per-SASS-instruction stall samples of the q4_K kernel
+      "$ncu" --clock-control none --kernel-name regex:"mm(q|sb)_q4" --launch-skip 1 --launch-count 1 \
+          --section SourceCounters -f -o "/tmp/ncu_src_$i" python3 -m dev.ncu_mmq $args > /dev/null 2>&1 &&
+      "$ncu" -i "/tmp/ncu_src_$i.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src_$i.csv" 2>&1 || rc=1
+    fi
     grep -E "mm(q|sb|vq)_q|stalled_(long|short|barrier|wait|math|mio|lg|not_sel|selected|dispatch|drain|imc|no_inst|branch|membar|sleep|tex)|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Eligible Warps|Waves Per SM|Block Limit" "$OUT/ncu_$i.txt" | cut -c1-130 | head -80
   done
   return $rc

@@ -1,0 +1,85 @@
+"""SASS of one kernel instance, built on the CPU (NVRTC PTX -> ptxas -> nvdisasm): instruction
+counts by opcode, so a kernel change's instruction mix is read without device time.
+
+    python -m dev.sass_dump mmsb_q4_k.cu "mmsb_q4_k<4, 2, 2>" [--sass] [--tools DIR ...]
+
+ptxas: the `nvidia-cuda-nvcc-cu12` wheel's bin/ptxas (the NVRTC of the same CUDA release, so
+the registers match ptxas's -v of the run-time build); nvdisasm: the `nvidia-cuda-nvdisasm`
+wheel's. Neither is a dependency: `pip download --no-deps` them and unzip; --tools names the
+folders searched (default: PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine.gpu import kernels
+
+
+def find_tool(name: str, dirs: list[str]) -> str:
+    for d in dirs:
+        for p in Path(d).rglob(name):
+            if p.is_file():
+                return str(p)
+    found = shutil.which(name)
+    if not found:
+        raise SystemExit(f"{name} not found in {dirs or 'PATH'}")
+    return found
+
+
+def ptx(fname: str, instance: str, arch: str = "compute_90") -> tuple[str, str]:
+    """(ptx text, lowered name) of one instance."""
+    nvrtc = kernels._nvrtc()
+    prog = nvrtc.createProgram(kernels.source(fname), fname, [], [])
+    try:
+        nvrtc.addNameExpression(prog, instance)
+        opts = kernels.OPTIONS + kernels.kernel_defines() + kernels.CUPY_ADDED_OPTIONS + (f"-arch={arch}",)
+        try:
+            nvrtc.compileProgram(prog, list(opts))
+        except Exception as e:
+            raise SystemExit(f"{fname}: NVRTC compile failed: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        text = nvrtc.getPTX(prog)
+        text = text.decode() if isinstance(text, bytes) else text
+        return text.rstrip("\0"), nvrtc.getLoweredName(prog, instance)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def opcode_counts(sass: str) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[ .;]", line)
+        if m:
+            counts[m.group(1)] += 1
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("file")
+    ap.add_argument("instance")
+    ap.add_argument("--tools", nargs="*", default=[])
+    ap.add_argument("--sass", action="store_true", help="print the whole listing")
+    a = ap.parse_args()
+    text, lowered = ptx(a.file, a.instance)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(text)
+        log = subprocess.run([find_tool("ptxas", a.tools), "-arch=sm_90", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             check=True, capture_output=True, text=True).stderr
+        sass = subprocess.run([find_tool("nvdisasm", a.tools), "-c", f"{d}/k.cubin"], check=True,
+                              capture_output=True, text=True).stdout
+    if a.sass:
+        print(sass)
+    counts = opcode_counts(sass)
+    print(" ".join(l.strip() for l in log.splitlines() if "Used" in l or "spill" in l))
+    print(f"{a.instance}: {sum(counts.values())} instructions (static)")
+    print("  " + "  ".join(f"{op} {n}" for op, n in counts.most_common()))
+
+
+if __name__ == "__main__":
+    main()
