@@ -194,6 +194,23 @@ __device__ __forceinline__ void mma_s8_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, 
                    "r"(c), "r"(c), "r"(c), "r"(c));
 }
 
+// The same with A unsigned (u8 0..255): a q4_K high nibble masked in place (q << 4) needs no shift.
+__device__ __forceinline__ void mma_u8s8_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                             u32 b0, u32 b1, int c) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
+                   "r"(c), "r"(c), "r"(c), "r"(c));
+}
+
+// 2^23 + (byte k of w), exactly, as a float: one PRMT in place of a shift, a mask and a
+// quarter-rate I2F; subtract 2^23 (or fold -2^23 x into an FMA) for the byte's value.
+#define BYTE_MAGIC_F 8388608.0f
+__device__ __forceinline__ float byte_magic(u32 w, u32 k) {
+    return __int_as_float((int)__byte_perm(w, 0x4B000000u, 0x7650u | k));
+}
+
 // D = A(16x16 s8) * B(16x8 s8) + C: a0 row g k 4t.., a1 row g+8; b0 k 4t.. col g.
 __device__ __forceinline__ void mma_s8_k16(int (&d)[4], u32 a0, u32 a1, u32 b0, int c) {
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 "

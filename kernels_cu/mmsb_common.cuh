@@ -10,9 +10,11 @@
 // barrier on the weight path), D super-blocks ahead of their use (a ring of D register sets,
 // D per instance); every activation fragment and scale read from shared memory serves the MR
 // m-tiles (MR = 2 halves the shared-memory traffic per weight byte, what NTT >= 4 needs); the
-// block's q8_1 activations are staged in shared memory `ch` super-blocks
-// at a time (cp.async, all T tokens, zero rows past T; ch = the whole range when it fits):
-//   sq  [8 NTT][ch 256 + PAD] int8, row = token (PAD: a bank-conflict-free row stride);
+// block's q8_1 activations are staged in shared memory `ch` super-blocks at a time, double-
+// buffered (cp.async, all T tokens, zero rows past T; the next stage lands during this one):
+//   sq  [ch][8 NTT][256 + PAD] int8, super-block-major, row = token (PAD: a bank-conflict-free
+//       row stride); every fragment's offset from a lane's base is a compile-time constant
+//       (8 nt RS + 32 j), so the shared loads need no address arithmetic;
 //   sds [ch 8][8 NTT] float2 (d8, s8), q8_1-block-major so a lane's two tokens are one
 //       16-byte load.
 // Parts > 1: the partial sums meet in a workspace (common.cuh mmq_split_reduce: fixed order,
@@ -30,6 +32,9 @@
 #define SB_THREADS (32 * SB_WARPS)
 
 __host__ __device__ constexpr int sb_rows(int mr) { return 16 * mr * SB_WARPS; }
+// __launch_bounds__ minimum blocks per SM: MR = 1 (T <= 16) holds 3 (at most 168 registers; the
+// compiler would take ~190 and leave 2), MR = 2 keeps every register it wants (2 blocks).
+__host__ __device__ constexpr int sb_min_blocks(int mr) { return mr == 1 ? 3 : 1; }
 
 #ifndef GGP_EMU   // PTX only (tensor cores, async copies)
 
@@ -46,36 +51,47 @@ __device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_byte
                  :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// Shared-memory layout of a stage of `ch` super-blocks (ch: a kernel argument, the host's
-// choice: the block's whole K range when it fits, so the activations land in one round trip).
+// Shared-memory layout: `nbuf` stage buffers (2 when the block's K range needs more than one
+// stage: stage k + 1 lands while stage k is consumed) of `ch` super-blocks each (ch: a kernel
+// argument, the host's choice, registry/mmsb.plan).
 template <int NTT, int PAD>
 struct SbLayout {
     static constexpr int TP = 8 * NTT;                  // tokens staged (T rounded up to n-tiles)
-    int rs;                                             // sq row stride (bytes): ch 256 + PAD
-    int q_bytes;
-    __device__ __forceinline__ explicit SbLayout(int ch) : rs(ch * 256 + PAD), q_bytes(TP * rs) {}
-    __device__ __forceinline__ int smem(int ch) const { return q_bytes + ch * 8 * TP * 8; }
+    static constexpr int RS = 256 + PAD;                // sq row stride (bytes)
+    static constexpr int SQ = TP * RS;                  // sq bytes of one super-block
+    static constexpr int SDS = 8 * TP * 8;              // sds bytes of one super-block
+    int ch, nbuf;
+    __device__ __forceinline__ SbLayout(int ch_, int nbuf_) : ch(ch_), nbuf(nbuf_) {}
+    __device__ __forceinline__ int smem() const { return nbuf * ch * (SQ + SDS); }
+    __device__ __forceinline__ int sq_off(int b) const { return b * ch * SQ; }
+    __device__ __forceinline__ int sds_off(int b) const { return nbuf * ch * SQ + b * ch * SDS; }
 };
 
-// Stage the activations of super-blocks [c0, c0 + n) (n <= ch) for the TP tokens.
+// Issue the copies of super-blocks [c0, c0 + n) into a stage buffer (sq, sds: its shared
+// addresses); tokens >= T are zero-filled. Per super-block the thread -> chunk map is fixed
+// (NTT 16-byte chunks and NTT / 2 (d8, s8) pairs per thread), so no division.
 template <int NTT, int PAD>
-__device__ __forceinline__ void sb_stage(const SbLayout<NTT, PAD>& L, u32 sq, u32 sds,
-                                         const i8* __restrict__ Aq, const float2* __restrict__ Ads,
-                                         int T, int K, int c0, int n, int tid) {
-    constexpr int TP = SbLayout<NTT, PAD>::TP;
-    const int cpr = n * 16;                             // 16-byte chunks per token row
-    for (int i = tid; i < TP * cpr; i += SB_THREADS) {
-        const int t = i / cpr, c = i - t * cpr;
-        const bool ok = t < T;
-        const i8* src = ok ? Aq + (size_t)t * K + (size_t)c0 * 256 + c * 16 : Aq;
-        cp_async16(sq + t * L.rs + c * 16, src, ok ? 16 : 0);
-    }
-    const int dpr = n * 8;                              // q8_1 blocks per token row
-    for (int i = tid; i < TP * dpr; i += SB_THREADS) {
-        const int t = i / dpr, j = i - t * dpr;
-        const bool ok = t < T;
-        const float2* src = ok ? Ads + (size_t)t * (K >> 5) + (size_t)c0 * 8 + j : Ads;
-        cp_async8(sds + (j * TP + t) * 8, src, ok ? 8 : 0);
+__device__ __forceinline__ void sb_stage(u32 sq, u32 sds, const i8* __restrict__ Aq,
+                                         const float2* __restrict__ Ads, int T, int K, int c0, int n, int tid) {
+    using L = SbLayout<NTT, PAD>;
+    constexpr int TP = L::TP;
+    for (int b = 0; b < n; ++b) {
+#pragma unroll
+        for (int k = 0; k < TP * 16 / SB_THREADS; ++k) {
+            const int i = tid + k * SB_THREADS, t = i >> 4, c = i & 15;
+            const bool ok = t < T;
+            const i8* src = ok ? Aq + (size_t)t * K + (size_t)(c0 + b) * 256 + c * 16 : Aq;
+            cp_async16(sq + b * L::SQ + t * L::RS + c * 16, src, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int k = 0; k < (TP * 8 + SB_THREADS - 1) / SB_THREADS; ++k) {
+            const int i = tid + k * SB_THREADS, t = i >> 3, j = i & 7;
+            if (i < TP * 8) {
+                const bool ok = t < T;
+                const float2* src = ok ? Ads + (size_t)t * (K >> 5) + (size_t)(c0 + b) * 8 + j : Ads;
+                cp_async8(sds + b * L::SDS + (j * TP + t) * 8, src, ok ? 8 : 0);
+            }
+        }
     }
 }
 
@@ -92,37 +108,43 @@ __device__ __forceinline__ MmqWork sb_work(int nsb, int parts, int rows_per_bloc
 }
 
 // The K loop of a warp: `buf` is a ring of D register sets (Body::Sb), each loaded D
-// super-blocks ahead of its use; the activations are staged `ch` super-blocks at a time with
-// two block barriers per stage (uniform: every warp walks the same super-blocks).
+// super-blocks ahead of its use; the activations are staged `ch` super-blocks at a time,
+// stage k + 1 issued as stage k starts (one block barrier per stage: it both publishes stage
+// k and frees the buffer of stage k - 1; uniform: every warp walks the same super-blocks).
 template <int NTT, int PAD, int D, class Body>
 __device__ __forceinline__ void sb_loop(Body& body, const SbLayout<NTT, PAD>& L, const MmqWork& wk,
                                         const i8* __restrict__ Aq, const float2* __restrict__ Ads,
-                                        int T, int K, int ch, u8* smem, int tid) {
-    constexpr int TP = SbLayout<NTT, PAD>::TP;
-    const u32 sq = smem_u32(smem), sds = sq + L.q_bytes;
-    const float* sdsp = reinterpret_cast<const float*>(smem + L.q_bytes);
+                                        int T, int K, u8* smem, int tid) {
+    const u32 s_base = smem_u32(smem);
     typename Body::Sb buf[D];
 #pragma unroll
     for (int r = 0; r < D; ++r)
         if (wk.s0 + r < wk.s1) body.load(buf[r], wk.s0 + r);
-    int c_begin = wk.s0, c_end = wk.s0;
+    sb_stage<NTT, PAD>(s_base + L.sq_off(0), s_base + L.sds_off(0), Aq, Ads, T, K, wk.s0,
+                       min(L.ch, wk.s1 - wk.s0), tid);
+    cp_async_commit();
+    int c_begin = wk.s0, c_end = wk.s0, stage = -1;
     for (int base = wk.s0; base < wk.s1; base += D) {
 #pragma unroll
         for (int r = 0; r < D; ++r) {
             const int sb = base + r;
             if (sb < wk.s1) {
-                if (sb == c_end) {
-                    if (sb > wk.s0) __syncthreads();        // the previous stage is consumed
-                    const int n = min(ch, wk.s1 - sb);
-                    sb_stage<NTT, PAD>(L, sq, sds, Aq, Ads, T, K, sb, n, tid);
-                    cp_async_commit();
+                if (sb == c_end) {                           // stage + 1 begins
+                    ++stage;
+                    c_begin = sb;
+                    c_end = min(sb + L.ch, wk.s1);
                     cp_async_wait<0>();
                     __syncthreads();
-                    c_begin = sb;
-                    c_end = sb + n;
+                    if (c_end < wk.s1) {
+                        const int nb = (stage + 1) & 1;
+                        sb_stage<NTT, PAD>(s_base + L.sq_off(nb), s_base + L.sds_off(nb), Aq, Ads, T, K,
+                                           c_end, min(L.ch, wk.s1 - c_end), tid);
+                        cp_async_commit();
+                    }
                 }
-                const int i = sb - c_begin;
-                body.compute(buf[r], smem + 256 * i, L.rs, sdsp + 2 * 8 * i * TP);
+                const int i = sb - c_begin, cb = stage & 1;
+                body.compute(buf[r], smem + L.sq_off(cb) + i * L.SQ,
+                             reinterpret_cast<const float*>(smem + L.sds_off(cb) + i * L.SDS));
                 if (sb + D < wk.s1) body.load(buf[r], sb + D);
             }
         }
@@ -154,9 +176,10 @@ __device__ __forceinline__ void sb_gemm(const u8* __restrict__ W, const i8* __re
                                         const float2* __restrict__ Ads, float* __restrict__ Y, int T,
                                         int N, int K, int ch, int parts, float* __restrict__ Wsp,
                                         u32* __restrict__ Cnt) {
-    const SbLayout<NTT, PAD> L(ch);
+    // two stage buffers when the longest part (ceil(nsb / parts)) needs more than one stage
+    const SbLayout<NTT, PAD> L(ch, ((K >> 8) + parts - 1) / parts > ch ? 2 : 1);
     extern __shared__ __align__(16) u8 smem[];
-    if (dyn_smem_bytes() < (u32)L.smem(ch)) __trap();
+    if (dyn_smem_bytes() < (u32)L.smem()) __trap();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     constexpr int MR = Body::MR;
     const MmqWork wk = sb_work(K >> 8, parts, sb_rows(MR));
@@ -174,7 +197,7 @@ __device__ __forceinline__ void sb_gemm(const u8* __restrict__ W, const i8* __re
         for (int nt = 0; nt < NTT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) body.acc[m][nt][i] = 0.0f;
-    sb_loop<NTT, PAD, D>(body, L, wk, Aq, Ads, T, K, ch, smem, tid);
+    sb_loop<NTT, PAD, D>(body, L, wk, Aq, Ads, T, K, smem, tid);
     if (parts > 1 && !mmq_split_reduce<MR, NTT, SB_THREADS>(body.acc, wk, parts, Wsp, Cnt, tid)) return;
     sb_store<MR, NTT>(Y, body.acc, T, N, row0, lane);
 }

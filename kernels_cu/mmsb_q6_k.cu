@@ -19,7 +19,7 @@
 // Scale term, as mmq_q6_k.cu: D = M + dot (C = MMQ_MAGIC_I), u = fma(D_lo, dsc_lo, -M dsc_lo),
 // v = fma(D_hi, dsc_hi, -M dsc_hi) for the two sub-blocks (l0 = 0, 16) of a q8_1 block, then
 // acc = fma(u + v, d8, acc).
-// Shared-memory row stride of the activations: ch x 256 + 16 bytes (== 16 mod 128: the 4-byte
+// Shared-memory row stride of the activations: 256 + 16 bytes (== 16 mod 128: the 4-byte
 // loads of a warp, 8 tokens x 16 bytes, hit 32 distinct banks).
 #include "common.cuh"
 #include "mmsb_common.cuh"
@@ -63,9 +63,12 @@ __device__ __forceinline__ void q6sb_load(Q6Sb<MR>& s, const u8* const (&rows)[2
 }
 
 template <int NTT, int MR>
-__device__ __forceinline__ void q6sb_compute(float (&acc)[MR][NTT][4], const Q6Sb<MR>& s, const u8* sqb, int rs,
+__device__ __forceinline__ void q6sb_compute(float (&acc)[MR][NTT][4], const Q6Sb<MR>& s, const u8* sqb,
                                              const float* sdsb, int g, int t4) {
     constexpr int TP = 8 * NTT;
+    constexpr int RS = SbLayout<NTT, SB6_PAD>::RS;
+    const u8* bq = sqb + g * RS + 4 * t4;               // + 8 nt RS + 32 blk (+ 16): immediates
+    const float* bd = sdsb + 4 * t4;                    // d8 of tokens 2t, 2t+1: + 2 (blk TP + 8 nt)
     float dw[2 * MR];
 #pragma unroll
     for (int r = 0; r < 2 * MR; ++r) dw[r] = f16_to_f32((u16)s.d[r]);
@@ -90,10 +93,10 @@ __device__ __forceinline__ void q6sb_compute(float (&acc)[MR][NTT][4], const Q6S
                 }
 #pragma unroll
             for (int nt = 0; nt < NTT; ++nt) {
-                const u8* brow = sqb + (8 * nt + g) * rs + 32 * blk + 4 * t4;
+                const u8* brow = bq + 8 * nt * RS + 32 * blk;
                 const u32 b0 = *reinterpret_cast<const u32*>(brow);
                 const u32 b1 = *reinterpret_cast<const u32*>(brow + 16);
-                const float4 d8 = *reinterpret_cast<const float4*>(sdsb + 2 * (blk * TP + 8 * nt + 2 * t4));
+                const float4 d8 = *reinterpret_cast<const float4*>(bd + 2 * (blk * TP + 8 * nt));
 #pragma unroll
                 for (int m = 0; m < MR; ++m) {
                     int dl[4], dhi[4];
@@ -121,14 +124,14 @@ struct Q6Body {
     const u8* rows[2 * MR];
     int g, t4;
     __device__ __forceinline__ void load(Sb& s, int sb) const { q6sb_load<MR, PADDED>(s, rows, sb, t4); }
-    __device__ __forceinline__ void compute(const Sb& s, const u8* sqb, int rs, const float* sdsb) {
-        q6sb_compute<NTT, MR>(acc, s, sqb, rs, sdsb, g, t4);
+    __device__ __forceinline__ void compute(const Sb& s, const u8* sqb, const float* sdsb) {
+        q6sb_compute<NTT, MR>(acc, s, sqb, sdsb, g, t4);
     }
 };
 
 // NTT n-tiles (T <= 8 NTT), MR m-tiles per warp, D super-blocks in flight per warp.
 template <int NTT, int MR, int D, bool PADDED>
-__global__ void __launch_bounds__(SB_THREADS)
+__global__ void __launch_bounds__(SB_THREADS, sb_min_blocks(MR))
 mmsb_q6_k(const u8* __restrict__ W, const i8* __restrict__ Aq, const float2* __restrict__ Ads,
           float* __restrict__ Y, int T, int N, int K, int ch, int parts, float* __restrict__ Wsp,
           u32* __restrict__ Cnt) {

@@ -6,12 +6,14 @@ activations, with the K-split plan that fills the GPU; on the current stream, no
 Plan (plan()): row tiles of rows_per_block(MR) (4 warps x MR m-tiles of 16 rows); the kernel's
 resident blocks per SM (registers and shared memory) times the SMs are the slots; parts = the
 K-split with the least predicted time, waves x (super-blocks per part + the partial sums' round
-trip) (each tile's parts sum in a fixed order, common.cuh mmq_split_reduce); the activations of a block's K range are staged at
-once when they fit the shared memory that the register-bound occupancy leaves to a block, else
-in stages of `ch` super-blocks.
+trip) (each tile's parts sum in a fixed order, common.cuh mmq_split_reduce); the activations
+of a block's K range are staged `ch` = stage_sb() super-blocks at a time into two alternating
+buffers (the next stage lands while this one is consumed; one buffer when one stage holds the
+range).
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -21,7 +23,8 @@ from engine.gpu import kernels, registry
 WARPS = 4                    # SB_WARPS of mmsb_common.cuh
 THREADS = 32 * WARPS
 MAX_PARTS = 16
-MAX_STAGE = 160 * 1024       # shared memory of one activation stage, at most
+STAGE_SB = 1                 # super-blocks per activation stage (double-buffered; 1 < 2 < 4 in
+                             # time at T = 32, perf-log session 10)
 SMEM_PER_SM = 228 * 1024     # sm_90, 1 KB of it reserved per block
 _PAD = {"q4_k": 32, "q6_k": 16}  # SB4_PAD / SB6_PAD
 _BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
@@ -41,10 +44,11 @@ class SbPlan(NamedTuple):
     per_sm: int       # resident blocks per SM
 
 
-def smem_bytes(kind: str, ntt: int, ch: int) -> int:
-    """SbLayout::smem: activations [8 ntt][ch 256 + PAD] int8 + (d8, s8) [ch 8][8 ntt] float2."""
+def smem_bytes(kind: str, ntt: int, ch: int, double: bool) -> int:
+    """SbLayout::smem: per stage buffer (two when `double`), activations [ch][8 ntt][256 + PAD]
+    int8 + (d8, s8) [ch 8][8 ntt] float2."""
     tp = 8 * ntt
-    return tp * (ch * 256 + _PAD[kind]) + ch * 8 * tp * 8
+    return (2 if double else 1) * ch * tp * (256 + _PAD[kind] + 8 * 8)
 
 
 def blocks_per_sm(regs: int, smem: int) -> int:
@@ -53,16 +57,25 @@ def blocks_per_sm(regs: int, smem: int) -> int:
     return max(1, min(by_regs, by_smem, 2048 // THREADS, 32))
 
 
+def stage_sb() -> int:
+    """Super-blocks per activation stage: STAGE_SB, or GGUF_PREFILL_MMSB_STAGE (a measurement
+    switch, so stage sizes compare in one device call)."""
+    v = os.environ.get("GGUF_PREFILL_MMSB_STAGE", "")
+    if not v:
+        return STAGE_SB
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"GGUF_PREFILL_MMSB_STAGE={v!r}: a positive number of super-blocks")
+    return int(v)
+
+
 def plan(kind: str, T: int, N: int, K: int, sm_count: int, regs: int, max_parts: int = MAX_PARTS,
-         parts: int | None = None, mr: int = 1) -> SbPlan:
+         parts: int | None = None, mr: int = 1, stage: int | None = None) -> SbPlan:
     ntt = registry.mmsb_ntt(T)
     nsb = K // 256
     tiles = -(-N // rows_per_block(mr))
-    per_sb = smem_bytes(kind, ntt, 1) - _PAD[kind] * 8 * ntt
-    budget = min(MAX_STAGE, SMEM_PER_SM // blocks_per_sm(regs, 0) - 1024 - _PAD[kind] * 8 * ntt)
+    stage = stage or stage_sb()
     if parts is None:
-        ch1 = max(1, min(nsb, budget // per_sb))
-        slots = sm_count * blocks_per_sm(regs, smem_bytes(kind, ntt, ch1))
+        slots = sm_count * blocks_per_sm(regs, smem_bytes(kind, ntt, min(stage, nsb), nsb > stage))
         # least waves x (super-blocks per part + the split's round trip of partial sums,
         # 2 x 4 bytes per row and staged token, in units of a super-block's bytes per row),
         # then fewest parts
@@ -72,8 +85,8 @@ def plan(kind: str, T: int, N: int, K: int, sm_count: int, regs: int, max_parts:
     if not 1 <= parts <= max(1, nsb):
         raise ValueError(f"mmsb: {parts} parts for K={K}")
     span = -(-nsb // parts)                       # most super-blocks of one part
-    ch = max(1, min(span, budget // per_sb))
-    smem = smem_bytes(kind, ntt, ch)
+    ch = min(span, stage)
+    smem = smem_bytes(kind, ntt, ch, span > ch)
     return SbPlan(tiles, parts, ch, smem, blocks_per_sm(regs, smem))
 
 
