@@ -29,7 +29,7 @@ def test_instance_count(capsys):
         print("  " + kernels.count_line())
     counts = kernels.instance_count()
     assert set(counts) == set(kernels.kernel_files()), "every kernel file has its instances in the registry"
-    assert sum(counts.values()) == 102, counts
+    assert sum(counts.values()) == 98, counts
 
 
 def test_kernel_files_found():
@@ -88,13 +88,14 @@ def test_choose_variant_rule():
             elif name != gpu_ops.MMVQ_VARIANT:
                 assert (name, False) in registry.mmq_launched(kind), v
                 assert T <= kernels.mmq_tile(kind, v)[0] or name == gpu_ops.DEFAULT_VARIANT[kind]
-    # wide q4_K matrices at 17..32 tokens: two 16-token tiles (registry.SMALL_BATCH_WIDE)
-    assert gpu_ops.choose_variant("q4_k", 32, 22016, sm_count=132) == "m16n128tc_k256+split"
-    assert gpu_ops.choose_variant("q4_k", 17, 12288, sm_count=132) == "m16n128tc_k256+split"
+    # wide matrices at 17..32 tokens: the small-batch kernel (registry.SMALL_BATCH_WIDE)
+    assert gpu_ops.choose_variant("q4_k", 32, 22016, sm_count=132) == gpu_ops.MMSB_VARIANT
+    assert gpu_ops.choose_variant("q4_k", 17, 12288, sm_count=132) == gpu_ops.MMSB_VARIANT
     assert gpu_ops.choose_variant("q4_k", 32, 4096, sm_count=132) == "m32n128tc_k256+split"
     assert gpu_ops.choose_variant("q4_k", 16, 22016, sm_count=132) == "m16n128tc_k256+split8"
     assert gpu_ops.choose_variant("q4_k", 33, 22016, sm_count=132) == "m64n128tc_k256+split"
-    assert gpu_ops.choose_variant("q6_k", 32, 32000, sm_count=132) == "m32n128+split8"
+    assert gpu_ops.choose_variant("q6_k", 32, 32000, sm_count=132) == gpu_ops.MMSB_VARIANT
+    assert gpu_ops.choose_variant("q6_k", 32, 4096, sm_count=132) == "m32n128+split8"
     # then: 64-token grid fits on the SMs -> the 64x128 tile, split; otherwise the 128x128 one
     small = {k: gpu_ops.SMALL_VARIANT[k] + kernels.MMQ_SPLIT_SUFFIX for k in ("q4_k", "q6_k")}
     assert gpu_ops.choose_variant("q6_k", 256, 4096, sm_count=132) == small["q6_k"]

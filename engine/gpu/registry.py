@@ -52,18 +52,19 @@ DEFAULT_SPLIT = {"q4_k": True, "q6_k": True}
 # gemm_bench --variants small run on the H200 (graph timing, the 7B shapes; perf-log session 5):
 # per kind and T the least total time over the shapes.
 MMVQ_VARIANT = "mmvq"
+MMSB_VARIANT = "mmsb"         # the small-batch GEMMs (section "small batch" below)
 SMALL_BATCH_TIERS = {
-    "q4_k": ((1, MMVQ_VARIANT), (8, "mmsb"), (16, "m16n128tc_k256+split8"), (32, "m32n128tc_k256+split"),
+    "q4_k": ((1, MMVQ_VARIANT), (8, MMSB_VARIANT), (16, "m16n128tc_k256+split8"), (32, "m32n128tc_k256+split"),
              (64, "m64n128tc_k256+split"), (128, "m128n128w8tc_k256+split8")),
-    "q6_k": ((1, MMVQ_VARIANT), (16, "mmsb"), (32, "m32n128+split8"), (64, "m64n128+split8"),
+    "q6_k": ((1, MMVQ_VARIANT), (16, MMSB_VARIANT), (32, "m32n128+split8"), (64, "m64n128+split8"),
              (128, "m128n128w8_k256+split")),
 }
-# Wide matrices at 17..32 tokens (perf-log session 7, dev/split_sweep, graph timing on the H200):
-# two 16-token tiles in the small-batch tile order (common.cuh mmq_work: the token tiles of a
-# weight tile run together and share its reads through L2) beat one 32-token tile on the fused
-# qkv (12288 rows: 34.5 -> 31.9 us) and gate|up (22016 rows: 56.1 -> 49.4 us), not on 4096 rows.
+# Wide matrices at 17..32 tokens (perf-log session 10, gemm_bench graph timing on the H100): the
+# small-batch kernel (MR = 2, pipelined activation stages) beats the best MMQ tiles on q4_K with
+# >= 8192 rows (gate|up 22016: 49 -> 46 us, qkv 12288: 32 -> 31, 11008: 28 -> 25) and on the q6_K
+# output matrix (32000 rows: 104 -> 93 us), not on 4096 rows (q4_K 4096^2: 14 -> 16).
 # (min T, max T, min rows, variant), checked before SMALL_BATCH_TIERS.
-SMALL_BATCH_WIDE = {"q4_k": ((17, 32, 12288, "m16n128tc_k256+split"),), "q6_k": ()}
+SMALL_BATCH_WIDE = {"q4_k": ((17, 32, 8192, MMSB_VARIANT),), "q6_k": ((17, 32, 32000, MMSB_VARIANT),)}
 # What the last MMQ_CONFIGS field is, per family: "tc" (q4_K's TF32 min term) or "unroll" (q6_K).
 MMQ_LAST_FIELD = {"q4_k": "tc", "q6_k": "unroll"}
 MMQ_SPLIT_SUFFIX = "+split"
@@ -124,7 +125,6 @@ def mmq_launched(kind: str) -> list[tuple[str, bool]]:
 # per warp, D super-blocks in flight per warp). The variant name MMSB_VARIANT (optionally
 # "+splitP": at most P K-parts) is what choose_variant returns for them; "mmsb.r<MR>d<D>" names
 # another (MR, D) for measurements (gemm_bench), compiled on demand.
-MMSB_VARIANT = "mmsb"
 MMSB_CONFIGS: dict[str, dict[int, tuple[int, int]]] = {
     "q4_k": {1: (1, 4), 2: (1, 4), 4: (2, 2), 8: (2, 2)},
     "q6_k": {1: (1, 3), 2: (1, 3), 4: (2, 2), 8: (2, 1)},
@@ -166,6 +166,19 @@ def mmsb_instance(kind: str, ntt: int, padded: bool = True, variant: str = MMSB_
     if kind == "q4_k":
         return f"mmsb_q4_k<{ntt}, {mr}, {d}>"
     return f"mmsb_q6_k<{ntt}, {mr}, {d}, {str(padded).lower()}>"
+
+
+def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
+    """The n-tile counts the production choice launches: those of every T that SMALL_BATCH_TIERS
+    or SMALL_BATCH_WIDE sends to MMSB_VARIANT (the others compile on demand for measurements)."""
+    ranges, lo = [], 1
+    for max_t, v in SMALL_BATCH_TIERS[kind]:
+        if mmq_split_name(v)[0] == MMSB_VARIANT:
+            ranges.append((lo, max_t))
+        lo = max_t + 1
+    ranges += [(min_t, max_t) for min_t, max_t, _, v in SMALL_BATCH_WIDE[kind]
+               if mmq_split_name(v)[0] == MMSB_VARIANT]
+    return tuple(sorted({mmsb_ntt(t) for a, b in ranges for t in range(max(a, 2), b + 1)}))
 
 
 # ----------------------------------------------------------------------------- decode
@@ -235,8 +248,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
-    "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in MMSB_NTT),
-    "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in MMSB_NTT),
+    "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
+    "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
                         "swiglu_mul", "set_state"),
