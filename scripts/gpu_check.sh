@@ -8,7 +8,7 @@
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -184,6 +184,13 @@ step_batched() {
   tr '\r' '\n' < "$OUT/batched.err" | grep -v '^$' | tail -4
   cat "$OUT/batched.txt"
   return $rc
+}
+
+# Hopper f16 GEMM (issue 14): wgmma_q4_k beside the production MMQ and cuBLAS f16 (dev/hopper_bench).
+step_hopper() {
+  python3 -m dev.hopper_bench --tokens "${HOPPER_TOKENS:-512,3314}" --configs "${HOPPER_CONFIGS:-128x4,256x4}" \
+      ${HOPPER_SHAPES:+--shapes $HOPPER_SHAPES} --json "$OUT/hopper.json" 2>&1 | tee "$OUT/hopper.log"
+  return "${PIPESTATUS[0]}"
 }
 
 # Small-batch MMQ grids: the production plan against every tile split into P K-parts

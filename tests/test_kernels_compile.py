@@ -29,7 +29,7 @@ def test_instance_count(capsys):
         print("  " + kernels.count_line())
     counts = kernels.instance_count()
     assert set(counts) == set(kernels.kernel_files()), "every kernel file has its instances in the registry"
-    assert sum(counts.values()) == 98, counts
+    assert sum(counts.values()) == 100, counts
 
 
 def test_kernel_files_found():
@@ -58,7 +58,8 @@ def test_compiles_for_sm90(fname, capsys):
         for r in res:
             print("  " + r.line())
     for r in res:
-        assert r.registers > 0
+        # SM90A_FILES: NVRTC builds PTX only; registers come from a ptxas when one is found
+        assert r.registers > 0 or fname in kernels.SM90A_FILES
         # launched programmatically in captured graphs (engine/gpu/launch.py): every entry must
         # wait for its predecessor grid before it touches global memory (common.cuh pdl_entry)
         assert r.pdl_wait, f"{fname}: {r.name} has no griddepcontrol.wait (pdl_entry() missing)"

@@ -40,6 +40,12 @@ CUPY_ADDED_OPTIONS: tuple[str, ...] = ("-ftz=true", "--device-as-default-executi
 
 MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
 
+# Files with sm_90a-only instructions (wgmma): NVRTC builds PTX for compute_90a and the driver
+# compiles it when the module loads (CuPy would add -arch=sm_90, and NVRTC 12.9's own sm_90a
+# back end crashed on wgmma code on the CPU). They load only on compute capability 9.0.
+SM90A_FILES = frozenset({"wgmma_q4_k.cu"})
+SM90A_ARCH = "compute_90a"
+
 
 def mmq_uses_tc(kind: str, variant: str) -> bool:
     """Whether the variant computes q4_K's min term on TF32 tensor cores (registry.MMQ_LAST_FIELD;
@@ -124,6 +130,47 @@ def kernel_defines() -> tuple[str, ...]:
 
 _modules: dict[tuple[int, str, str], object] = {}
 _kernels: dict[tuple[int, str, str], object] = {}
+_lowered: dict[tuple[int, str, str], str] = {}     # (device, file, name expression) -> symbol
+
+
+def nvrtc_ptx(fname: str, names, arch: str = SM90A_ARCH) -> tuple[str, dict[str, str]]:
+    """PTX of kernels_cu/<fname> for `arch` (a compute_XX target) through NVRTC, and the lowered
+    symbol of each name expression; RuntimeError with the compiler log on a compile error."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source(fname), fname, [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, list(OPTIONS + kernel_defines() + CUPY_ADDED_OPTIONS + (f"-arch={arch}",)))
+        except Exception as e:
+            raise RuntimeError(f"{fname}: NVRTC compile failed: {e}\n{nvrtc.getProgramLog(prog)}") from e
+        ptx = nvrtc.getPTX(prog)
+        ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\0")
+        return ptx, {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _sm90a_module(fname: str, names: list[str]):
+    """cupy.RawModule of an SM90A_FILES file: NVRTC PTX written to a private temporary file,
+    loaded (and compiled for the device) by the driver."""
+    import tempfile
+
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        raise RuntimeError(f"{fname} needs an sm_90 GPU (wgmma), this one is sm_{cupy.cuda.Device().compute_capability}")
+    ptx, lowered = nvrtc_ptx(fname, names)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        mod = cupy.RawModule(path=f.name)
+        for n, sym in lowered.items():
+            mod.get_function(sym)          # load now, while the file exists
+    finally:
+        os.unlink(f.name)
+    return mod, lowered
 
 
 def get_module(fname: str, instance: str | None = None):
@@ -137,6 +184,11 @@ def get_module(fname: str, instance: str | None = None):
     mod = _modules.get(key)
     if mod is None:
         names = [instance] if instance else list(INSTANCES.get(fname, ()))
+        if fname in SM90A_FILES:
+            mod, lowered = _sm90a_module(fname, names)
+            _lowered.update({(dev, fname, n): sym for n, sym in lowered.items()})
+            _modules[key] = mod
+            return mod
         mod = cupy.RawModule(code=source(fname), options=OPTIONS + kernel_defines(),
                              name_expressions=names or None)
         mod.compile()
@@ -154,8 +206,8 @@ def get_kernel(fname: str, name: str, dynamic_smem: int = 0) -> Kernel:
     key = (dev, fname, name)
     k = _kernels.get(key)
     if k is None:
-        mod = get_module(fname, name if "<" in name else None)
-        k = Kernel(mod.get_function(name))
+        mod = get_module(fname, name if "<" in name or fname in SM90A_FILES else None)
+        k = Kernel(mod.get_function(_lowered.get((dev, fname, name), name)))
         _kernels[key] = k
     if dynamic_smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < dynamic_smem:
         k.max_dynamic_shared_size_bytes = dynamic_smem
@@ -238,6 +290,9 @@ def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> li
     out: list[Resources] = []
     for fname in files or kernel_files():
         names = INSTANCES.get(fname, ())
+        if fname in SM90A_FILES:
+            out += _check_sm90a(fname, names)
+            continue
         src = source(fname)
         prog = nvrtc.createProgram(src, fname, [], [])
         try:
@@ -268,6 +323,31 @@ def compile_for_check(arch: str = "sm_90", files: list[str] | None = None) -> li
         finally:
             nvrtc.destroyProgram(prog)
     return out
+
+
+def _check_sm90a(fname: str, names) -> list[Resources]:
+    """compile_for_check of an SM90A_FILES file: NVRTC PTX for compute_90a; resources from a
+    `ptxas` (GGUF_PREFILL_PTXAS or on PATH, e.g. the nvidia-cuda-nvcc wheel's) when there is one,
+    else registers = 0 (the PTX compiled: the front end and the target checks passed)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    ptx, lowered = nvrtc_ptx(fname, names)
+    waiting = ptx_entries_waiting(ptx)
+    usage: dict[str, dict[str, int]] = {}
+    ptxas = os.environ.get("GGUF_PREFILL_PTXAS") or shutil.which("ptxas")
+    if ptxas:
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.ptx").write_text(ptx)
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=d,
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(f"{fname}: ptxas failed:\n{r.stderr[-4000:]}")
+            usage = parse_ptxas_log(r.stderr + r.stdout)
+    return [Resources(fname, n, usage.get(sym, {}).get("registers", 0), usage.get(sym, {}).get("stack", 0),
+                      usage.get(sym, {}).get("spill_stores", 0), usage.get(sym, {}).get("spill_loads", 0),
+                      sym in waiting) for n, sym in lowered.items()]
 
 
 def count_line() -> str:

@@ -181,6 +181,18 @@ def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
     return tuple(sorted({mmsb_ntt(t) for a, b in ranges for t in range(max(a, 2), b + 1)}))
 
 
+# ----------------------------------------------------------------------------- Hopper (wgmma)
+
+# kernels_cu/wgmma_q4_k.cu (sm_90a; issue 14): (BT tokens per block, activation stages).
+WGMMA_CONFIG = (128, 4)
+
+
+def wgmma_instance(bt: int = WGMMA_CONFIG[0], stages: int = WGMMA_CONFIG[1]) -> str:
+    if bt % 128 or not 128 <= bt <= 256 or not 3 <= stages <= 8:
+        raise ValueError(f"wgmma_q4_k: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
+    return f"wgmma_q4_k<{bt}, {stages}>"
+
+
 # ----------------------------------------------------------------------------- decode
 
 MMVQ_MODES = ("store", "add", "swiglu")   # mmvq_*.cu MODE 0, 1, 2
@@ -250,6 +262,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
+    "wgmma_q4_k.cu": (wgmma_instance(), "wgmma_permute_x16"),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
                         "swiglu_mul", "set_state"),

@@ -1,0 +1,68 @@
+"""Oracle of the Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu, issue 14 route (b)): q4_K weights
+dequantized to f16 exactly as the kernel does, activations rounded to f16 and stored in a
+permuted k order, products summed in float64.
+
+    k_permutation() -> int [256]: P, with Xp[t, 256 b + L] = x[t, 256 b + P[L]]
+    permute_x16(x) -> float16 [T, K]: the kernel's activation operand, from float32 x
+    dequant_q4_k_f16(blocks) -> float16 [N, K]: w = f16(q f16(d sc) - f16(dmin m)), one rounding
+    wgmma_reference(w16, x16) -> float64 [T, N]; wgmma_abs(w16, x16) -> sum of |x||w|
+    wgmma_error_bound(K, S) -> per-element bound on |y - ref|
+
+The kernel's f16 path differs from the q8_1 MMQ path (engine.reference.mmq) by design: the weights
+carry one f16 rounding (relative 2^-11) instead of none, the activations one f16 rounding instead
+of the q8_1 block quantization (relative ~2^-8), and the sums run in f32 on the tensor cores.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.formats.quants import QK_K, q4_k_fields
+
+
+def k_permutation() -> np.ndarray:
+    """P [256]: logical k L = 16 s + c of a super-block holds element P[L] (wgmma_q4_k.cu):
+    s = 2 m + hi, c = 2 t + 8 f + e  ->  P = 64 t + 32 hi + 4 m + f + 2 e."""
+    L = np.arange(QK_K)
+    s, c = L >> 4, L & 15
+    hi, m = s & 1, s >> 1
+    e, t, f = c & 1, (c >> 1) & 3, (c >> 3) & 1
+    return 64 * t + 32 * hi + 4 * m + f + 2 * e
+
+
+def permute_x16(x: np.ndarray) -> np.ndarray:
+    """float32 [T, K] -> float16 [T, K] in the kernel's k order (round to nearest even)."""
+    x = np.asarray(x, dtype=np.float32)
+    T, K = x.shape
+    if K % QK_K:
+        raise ValueError(f"permute_x16: K={K} is not a multiple of {QK_K}")
+    return x.reshape(T, K // QK_K, QK_K)[:, :, k_permutation()].reshape(T, K).astype(np.float16)
+
+
+def dequant_q4_k_f16(blocks: np.ndarray) -> np.ndarray:
+    """q4_K rows uint8 [N, K/256*144] -> float16 [N, K] in the natural k order, as the kernel
+    computes them: s = f16(d sc), m' = f16(dmin m) (exact f32 products rounded once), then
+    w = f16(q s - m') with a single rounding (HFMA2; exact here in float64 before the rounding)."""
+    blocks = np.asarray(blocks, dtype=np.uint8)
+    N = blocks.shape[0]
+    d, dmin, sc, m, q = q4_k_fields(blocks)
+    s16 = (d[:, None] * sc.astype(np.float32)).astype(np.float16).astype(np.float64)
+    m16 = (dmin[:, None] * m.astype(np.float32)).astype(np.float16).astype(np.float64)
+    w = q.astype(np.float64) * s16[:, :, None] - m16[:, :, None]
+    return w.astype(np.float16).reshape(N, -1)
+
+
+def wgmma_reference(w16: np.ndarray, x16: np.ndarray) -> np.ndarray:
+    """y[T, N] = x16 . w16^T in float64 (both in the natural k order)."""
+    return np.asarray(x16, np.float64) @ np.asarray(w16, np.float64).T
+
+
+def wgmma_abs(w16: np.ndarray, x16: np.ndarray) -> np.ndarray:
+    """S[T, N] = sum_k |x16| |w16|: the scale of the rounding error."""
+    return np.abs(np.asarray(x16, np.float64)) @ np.abs(np.asarray(w16, np.float64)).T
+
+
+def wgmma_error_bound(K: int, S: np.ndarray) -> np.ndarray:
+    """|y - ref| <= (K/16 + 16) 2^-22 S: the f16 x f16 products are exact in f32; the tensor
+    cores add each k16 step's sum into the f32 accumulator with at most one rounding or
+    truncation (2^-23 of the running magnitude, <= S) plus a few units inside the step, doubled."""
+    return (K / 16 + 16) * 2.0 ** -22 * np.asarray(S, np.float64)
