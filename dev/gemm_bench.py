@@ -102,18 +102,21 @@ class GraphTimer:
     def copies(self, nbytes: int) -> int:
         return max(2, min(self.max_copies, -(-self.l2_multiple * self.l2 // max(1, nbytes))))
 
-    def __call__(self, launch, n_copies: int) -> dict:
+    def __call__(self, launch, n_copies: int, capture: bool = True) -> dict:
+        """capture=False replays the launches from the host instead (for libraries such as
+        cuBLAS that refuse stream capture); fine where one launch outlasts its host cost."""
         cp = self.cp
         s = cp.cuda.Stream(non_blocking=True)
         with s:
             for c in range(n_copies):            # compile, workspaces
                 launch(c)
             s.synchronize()
-            g = capture_graph(s, lambda: [launch(c) for c in range(n_copies)])
+            replay = (capture_graph(s, lambda: [launch(c) for c in range(n_copies)]).launch if capture
+                      else lambda _s: [launch(c) for c in range(n_copies)])
             ts = []
             for r in range(self.reps + 1):
                 self.e0.record(s)
-                g.launch(s)
+                replay(s)
                 self.e1.record(s)
                 self.e1.synchronize()
                 if r:

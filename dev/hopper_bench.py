@@ -1,12 +1,12 @@
 """Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu) beside the production MMQ and cuBLAS f16, same run.
 
-    python -m dev.hopper_bench [--tokens 512,3314] [--configs 128x4,256x4] [--shapes q4_k:NxK,..]
+    python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,..] [--shapes q4_k:NxK,..]
                                [--reps 20] [--json OUT]
 
 Per q4_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
-that exceed the L2 4x): wgmma_q4k per (BT, STAGES) config, its activation permute (a stand-in for
-the producer that will write f16 directly), the production MMQ variant (choose_variant) plus its
-q8_1 quantization, and cupy.matmul on f16 weights (cuBLAS). Each wgmma output is checked on 16
+that exceed the L2 4x): wgmma_q4k per config BTxSTAGES ("auto": registry.wgmma_bt), its activation
+tiling (a stand-in for the producer that will write f16 directly), the production MMQ variant (choose_variant) plus its
+q8_1 quantization, and cupy.matmul on f16 weights (cuBLAS, launched from the host: it refuses capture). Each wgmma output is checked on 16
 sampled rows against engine.reference.wgmma (stated bound). Ratios are same-run: cuBLAS ms / ms.
 """
 from __future__ import annotations
@@ -25,11 +25,19 @@ SHAPES = [("q4_k", 4096, 4096), ("q4_k", 11008, 4096), ("q4_k", 4096, 11008),
           ("q4_k", 12288, 4096), ("q4_k", 22016, 4096)]
 
 
+def parse_config(cfg: str) -> tuple[int | None, int | None]:
+    """"128x4" -> (128, 4); "auto" -> (None, None): the production choice."""
+    if cfg == "auto":
+        return None, None
+    bt, st = (int(v) for v in cfg.split("x"))
+    return bt, st
+
+
 def run(tokens, configs, shapes, reps=20, seed=7, log=print):
     import cupy as cp
 
     from engine.gpu.ops import mmq as gpu_mmq
-    from engine.gpu.ops.wgmma import permute_x16, wgmma_q4k
+    from engine.gpu.ops.wgmma import tile_x16, wgmma_q4k
     from engine.gpu.weights import DeviceWeight, upload_weight
 
     rng = np.random.default_rng(seed)
@@ -49,36 +57,39 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
         for T in tokens:
             x = cp.random.standard_normal((T, K), dtype=cp.float32)
             x16 = x.astype(cp.float16)
-            xp = permute_x16(x)
+            xt = tile_x16(x)
             act = gpu_mmq.quantize_q8_1(x)
             y = cp.empty((T, N), dtype=cp.float32)
             y16 = cp.empty((T, N), dtype=cp.float16)
             flops = 2.0 * T * N * K
-            t_cub = gt(lambda c: cp.matmul(x16, w16c[c % len(w16c)].T, out=y16), len(w16c))["median_ms"]
+            t_cub = gt(lambda c: cp.matmul(x16, w16c[c % len(w16c)].T, out=y16), len(w16c),
+                       capture=False)["median_ms"]   # cuBLAS refuses stream capture
             v = gpu_mmq.choose_variant(kind, T, N)
             t_mmq = gt(lambda c: gpu_mmq.mmq(copies[c], act, out=y, variant=v), len(copies))["median_ms"]
             t_q8 = gt(lambda c: gpu_mmq.quantize_q8_1(x, out=act), 4)["median_ms"]
-            t_perm = gt(lambda c: permute_x16(x, out=xp), 4)["median_ms"]
+            t_tile = gt(lambda c: tile_x16(x, out=xt), 4)["median_ms"]
             base = {"kind": kind, "N": N, "K": K, "T": T, "cublas_ms": t_cub, "mmq_variant": v,
-                    "mmq_ms": t_mmq, "q8_ms": t_q8, "permute_ms": t_perm}
+                    "mmq_ms": t_mmq, "q8_ms": t_q8, "tile_ms": t_tile}
             log(f"{kind} {N}x{K} T={T}: cuBLAS f16 {t_cub:.3f} ms ({flops / t_cub * 1e-9:.0f} TFLOP/s), "
-                f"MMQ {v} {t_mmq:.3f} ms (ratio {t_cub / t_mmq:.2f}) + q8_1 {t_q8:.3f}, permute {t_perm:.3f}")
+                f"MMQ {v} {t_mmq:.3f} ms (ratio {t_cub / t_mmq:.2f}) + q8_1 {t_q8:.3f}, tile {t_tile:.3f}")
             x16_h = cp.asnumpy(x16)
             ref = wgmma_reference(w16_h[sample], x16_h)
             bound = wgmma_error_bound(K, wgmma_abs(w16_h[sample], x16_h))
-            for bt, st in configs:
+            for cfg in configs:
+                bt, st = parse_config(cfg)
                 y.fill(np.nan)
-                wgmma_q4k(wd, xp, out=y, bt=bt, stages=st)
+                wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=st)
                 got = cp.asnumpy(y[:, cp.asarray(sample)]).astype(np.float64)
                 ok = bool(np.all(np.isfinite(got)) and np.all(np.abs(got - ref) <= bound))
                 worst = float(np.max(np.abs(got - ref) / np.maximum(bound, 1e-300)))
-                t = gt(lambda c: wgmma_q4k(copies[c], xp, out=y, bt=bt, stages=st), len(copies))["median_ms"]
-                row = dict(base, config=f"{bt}x{st}", wgmma_ms=t, ratio=t_cub / t, vs_mmq=t_mmq / t,
+                t = gt(lambda c: wgmma_q4k(copies[c], xt, T, out=y, bt=bt, stages=st),
+                       len(copies))["median_ms"]
+                row = dict(base, config=cfg, wgmma_ms=t, ratio=t_cub / t, vs_mmq=t_mmq / t,
                            tflops=flops / t * 1e-9, ok=ok, worst_over_bound=worst)
                 rows.append(row)
-                log(f"    wgmma {bt}x{st}: {t:.3f} ms  {row['tflops']:.0f} TFLOP/s  cuBLAS ratio {row['ratio']:.2f}"
+                log(f"    wgmma {cfg}: {t:.3f} ms  {row['tflops']:.0f} TFLOP/s  cuBLAS ratio {row['ratio']:.2f}"
                     f"  vs MMQ x{row['vs_mmq']:.2f}  ok={ok} (worst err/bound {worst:.2e})")
-            del x, x16, xp, act, y, y16
+            del x, x16, xt, act, y, y16
         del wd, copies, w16, w16c
     return rows
 
@@ -86,13 +97,13 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="512,3314")
-    ap.add_argument("--configs", default="128x4,256x4")
+    ap.add_argument("--configs", default="auto,128x4,256x4")
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
-    configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]
+    configs = a.configs.split(",")
     rows = run(tokens, configs, parse_shapes(a.shapes) if a.shapes else SHAPES, reps=a.reps)
     if a.json:
         with open(a.json, "w") as f:

@@ -66,10 +66,11 @@ def main() -> None:
     ap.add_argument("--tools", nargs="*", default=[])
     ap.add_argument("--sass", action="store_true", help="print the whole listing")
     a = ap.parse_args()
-    text, lowered = ptx(a.file, a.instance)
+    arch = "90a" if a.file in kernels.SM90A_FILES else "90"     # wgmma needs the arch-specific target
+    text, lowered = ptx(a.file, a.instance, f"compute_{arch}")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.ptx").write_text(text)
-        log = subprocess.run([find_tool("ptxas", a.tools), "-arch=sm_90", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+        log = subprocess.run([find_tool("ptxas", a.tools), f"-arch=sm_{arch}", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
                              check=True, capture_output=True, text=True).stderr
         sass = subprocess.run([find_tool("nvdisasm", a.tools), "-c", f"{d}/k.cubin"], check=True,
                               capture_output=True, text=True).stdout

@@ -3,7 +3,10 @@
 // over the whole K) and x in f16 from shared memory (the B operand). Issue 14, route (b).
 //
 // Inputs: W uint8 [N, K/256 * 144] (q4_K rows: d f16 @0, dmin f16 @2, scales[12] @4, qs[128] @16);
-//         Xp f16 [T, K] in the permuted k order below (wgmma_permute_x16 writes it);
+//         Xt f16 [K/64, ceil(T/8), 8, 8, 8]: 64-k block, token group, 8-k chunk, token, k in the
+//            permuted k order below, tokens past T zero (wgmma_tile_x16 writes it), so that one
+//            stage (BT tokens x 64 k) is BT / 8 x 1,024 contiguous bytes laid out as shared memory
+//            wants them;
 //         Y f32 [T, N]. N % 128 == 0, K % 256 == 0; T any (ragged token tiles are zero-filled).
 // Weight numerics (engine.reference.wgmma.dequant_q4_k_f16 emulates them bit for bit):
 //   s = f16(d sc_j), m' = f16(dmin m_j) (f32 products, exact, rounded once to f16),
@@ -16,7 +19,7 @@
 // 2t+1 in the high ones) of its two rows as 8 words; word m feeds k16 steps 2m and 2m+1:
 //   step 2m:   cols 2t+e   <- low nibble of byte 4m+2e,   cols 2t+8+e <- low of byte 4m+1+2e
 //   step 2m+1: cols 2t+e   <- high nibble of byte 4m+2e,  cols 2t+8+e <- high of byte 4m+1+2e
-// so logical k L = 16 s + c of a super-block holds element P(L) (wgmma_permute_x16 and
+// so logical k L = 16 s + c of a super-block holds element P(L) (wgmma_tile_x16 and
 // engine.reference.wgmma.k_permutation): s = 2m + hi, c = 2t + 8 f + e ->
 //   P = 64 t + 32 hi + 4 m + f + 2 e.
 // Nibbles to f16 without conversions: (w & 0x000F000F) | 0x6400.. is the f16 pair 1024 + q;
@@ -25,13 +28,19 @@
 // Shared memory, one activation stage = BT tokens x 64 k f16, as wgmma's no-swizzle K-major
 // core matrices (8 tokens x 16 bytes, 128 contiguous bytes): byte of (token n, k) =
 //   (n / 8) * 1024 + (k / 8) * 128 + (n % 8) * 16 + (k % 8) * 2,
-// so 16-byte chunk c (c % 8 = n % 8, c / 8 % 8 = k / 8, c / 64 = n / 8) sits at byte 16 c.
-// Descriptor: LBO (next 8 k) = 128 B, SBO (next 8 tokens) = 1024 B; k16 step s starts at 256 s.
+// i.e. one contiguous range of Xt. Descriptor: LBO (next 8 k) = 128 B, SBO (next
+// 8 tokens) = 1024 B; k16 step s starts at 256 s.
 //
-// Pipeline: STAGES activation buffers filled by cp.async, STAGES - 2 ahead; each warpgroup
-// dequantizes stage j's A fragments while its wgmmas of stage j - 1 run, then waits for those
-// (wgmma.wait_group 1), so the barrier of stage j + 1 frees buffer j - 1. Weights stream
-// register-direct, one super-block (6 x 16 bytes per lane) ahead.
+// Grid: x = token tile (fastest, so the blocks in flight share few weight rows and each row tile
+// is read from DRAM about once), y = 128-row tile.
+// Pipeline: STAGES buffers, each filled by one cp.async.bulk copy (async proxy, completion
+// counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup
+// waits for stage j's mbarrier, dequantizes its A fragments while its wgmmas of stage j - 1 run,
+// issues stage j, waits for stage j - 1 (wgmma.wait_group 1); after a barrier of both warpgroups
+// thread 0 refills buffer j - 1. No proxy fence in the loop: with 16-byte cp.async (generic
+// proxy) every stage needs fence.proxy.async, whose MEMBAR also waits for the weight loads in
+// flight, and that pipeline measured 10-25% slower (docs/perf-log.md, Session 12).
+// Weights stream register-direct, one super-block (6 x 16 bytes per lane) ahead.
 #include "common.cuh"
 
 #define WG_BK 64                       // k per activation stage
@@ -46,6 +55,25 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// bytes (multiple of 16) global -> shared through the async proxy, counted on mbarrier bar.
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 
 // D[64 x 128] += A[64 x 16] (registers) . B[16 x 128] (shared, K-major, descriptor)
 __device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], u64 desc) {
@@ -174,39 +202,47 @@ __device__ __forceinline__ void wg_issue_stage(float (&acc)[BT / 128][64], const
             wgmma_n128(acc[h], a[s], wg_desc(sbuf + h * 16 * 1024 + s * 256, 128, 1024));
 }
 
+// Byte offset in Xt of the 1,024-byte piece (token group gi, k0 .. k0 + 63).
+__device__ __forceinline__ size_t wg_piece(int gi, int ngroups, int k0) {
+    return ((size_t)(k0 / WG_BK) * ngroups + gi) * 1024;
+}
+
+// Thread 0: the stage's token groups in one copy; groups past the last one are not copied (their
+// token columns are never stored).
 template <int BT>
-__device__ __forceinline__ void wg_load_stage(u32 sbuf, const u16* __restrict__ Xp, int T, int K, int tok0, int k0) {
-#pragma unroll
-    for (int i = 0; i < BT * 8 / WG_THREADS; ++i) {
-        const int c = i * WG_THREADS + threadIdx.x;
-        const int n = (c >> 6) * 8 + (c & 7), kg = (c >> 3) & 7;
-        const int tok = tok0 + n;
-        const u16* src = Xp + (size_t)min(tok, T - 1) * K + k0 + kg * 8;
-        cp_async16(sbuf + 16 * c, src, tok < T ? 16 : 0);
-    }
+__device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* __restrict__ Xt, int ngroups, int g0,
+                                              int k0) {
+    const u32 bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
+    mbar_arrive_expect_tx(bar, bytes);
+    bulk_g2s(sbuf, Xt + wg_piece(g0, ngroups, k0), bytes, bar);
 }
 
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
-wgmma_q4_k(const u8* __restrict__ W, const u16* __restrict__ Xp, float* __restrict__ Y, int T, int N, int K) {
+wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    extern __shared__ __align__(128) u8 smem[];
+    extern __shared__ __align__(1024) u8 smem[];
     const u32 s0 = smem_u32(smem);
     constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
+    const u32 bars = s0 + STAGES * STAGE_BYTES;                  // one 8-byte mbarrier per buffer
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
-    const int tok0 = blockIdx.y * BT;
+    const int row0 = blockIdx.y * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
+    const int g0 = blockIdx.x * (BT / 8), ngroups = (T + 7) / 8;
     const size_t row_bytes = (size_t)(K / 256) * 144;
     const u8* r0 = W + (size_t)row0 * row_bytes;
     const u8* r1 = r0 + 8 * row_bytes;
     const int nst = K / WG_BK, nsb = K / 256;
 
+    if (threadIdx.x == 0) {
 #pragma unroll
-    for (int j = 0; j < STAGES - 2; ++j) {
-        if (j < nst) wg_load_stage<BT>(s0 + j * STAGE_BYTES, Xp, T, K, tok0, j * WG_BK);
-        cp_async_commit();
+        for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int j = 0; j < STAGES && j < nst; ++j)
+            wg_bulk_stage<BT>(s0 + j * STAGE_BYTES, bars + 8 * j, Xt, ngroups, g0, j * WG_BK);
 
     float acc[BT / 128][64];
 #pragma unroll
@@ -225,23 +261,24 @@ wgmma_q4_k(const u8* __restrict__ W, const u16* __restrict__ Xp, float* __restri
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;
-            const int jn = j + STAGES - 2;
-            cp_async_wait<STAGES - 3>();               // stage j landed (this thread's copies)
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads();                           // ... everyone's; stage j - 2's wgmmas retired
-            if (jn < nst) wg_load_stage<BT>(s0 + (jn % STAGES) * STAGE_BYTES, Xp, T, K, tok0, jn * WG_BK);
-            cp_async_commit();
+            mbar_wait(bars + 8 * (j % STAGES), (j / STAGES) & 1);       // stage j landed
             wg_stage_frags(a, cur, jj, sc);
             wg_fence();
             wg_issue_stage<BT>(acc, a, s0 + (j % STAGES) * STAGE_BYTES);
             wg_commit();
-            wg_wait<1>();
+            wg_wait<1>();                              // stage j - 1 retired in this warpgroup
+            const int jn = j - 1 + STAGES;             // refill buffer j - 1 once both warpgroups retired it
+            __syncthreads();
+            if (threadIdx.x == 0 && j >= 1 && jn < nst)
+                wg_bulk_stage<BT>(s0 + (jn % STAGES) * STAGE_BYTES, bars + 8 * (jn % STAGES), Xt, ngroups, g0,
+                                  jn * WG_BK);
         }
         cur = nxt;
     }
     wg_wait<0>();
 
     // acc[h][4 i + e]: row g + 8 (e >> 1), token 128 h + 8 i + 2 t + (e & 1)
+    const int tok0 = g0 * 8;
 #pragma unroll
     for (int h = 0; h < BT / 128; ++h)
 #pragma unroll
@@ -253,16 +290,21 @@ wgmma_q4_k(const u8* __restrict__ W, const u16* __restrict__ Xp, float* __restri
             }
 }
 
-// x f32 [T, K] -> Xp f16 [T, K] in the permuted k order above: Xp[t, 256 b + L] = f16(x[t, 256 b + P(L)]).
-__global__ void wgmma_permute_x16(const float* __restrict__ x, u16* __restrict__ Xp, int T, int K) {
+// x f32 [T, K] -> Xt f16 [K/64, ceil(T/8), 8, 8, 8] (layout at the top): element (token n, logical
+// k L of super-block b) = f16(x[n, 256 b + P(L)]), zero for n >= T. One thread per element of Xt.
+__global__ void wgmma_tile_x16(const float* __restrict__ x, u16* __restrict__ Xt, int T, int K) {
     pdl_entry();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)T * K) return;
-    const int L = (int)(i & 255);
+    const int ngroups = (T + 7) / 8;
+    if (i >= (size_t)ngroups * 8 * K) return;
+    const int kk = (int)(i & 7), nn = (int)((i >> 3) & 7), kc = (int)((i >> 6) & 7);
+    const size_t piece = i >> 9;                               // 64-k block * ngroups + token group
+    const int n = (int)(piece % ngroups) * 8 + nn, kabs = (int)(piece / ngroups) * WG_BK + kc * 8 + kk;
+    const int L = kabs & 255;
     const int s = L >> 4, c = L & 15;
     const int hi = s & 1, m = s >> 1, e = c & 1, f = (c >> 3) & 1, tt = (c >> 1) & 3;
     const int P = 64 * tt + 32 * hi + 4 * m + f + 2 * e;
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[(i & ~(size_t)255) + P]));
-    Xp[i] = h;
+    u16 h = 0;
+    if (n < T) asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[(size_t)n * K + (kabs & ~255) + P]));
+    Xt[i] = h;
 }

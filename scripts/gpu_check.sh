@@ -188,7 +188,7 @@ step_batched() {
 
 # Hopper f16 GEMM (issue 14): wgmma_q4_k beside the production MMQ and cuBLAS f16 (dev/hopper_bench).
 step_hopper() {
-  python3 -m dev.hopper_bench --tokens "${HOPPER_TOKENS:-512,3314}" --configs "${HOPPER_CONFIGS:-128x4,256x4}" \
+  python3 -m dev.hopper_bench --tokens "${HOPPER_TOKENS:-512,3314}" --configs "${HOPPER_CONFIGS:-auto,128x4,256x4}" \
       ${HOPPER_SHAPES:+--shapes $HOPPER_SHAPES} --json "$OUT/hopper.json" 2>&1 | tee "$OUT/hopper.log"
   return "${PIPESTATUS[0]}"
 }

@@ -1,10 +1,10 @@
 """GPU (sm_90): the Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu) against its float64 oracle
 (engine.reference.wgmma), on fresh random q4_K blocks and activations, poisoned outputs.
 
-Checked: the activation permutation kernel == the numpy permutation bit for bit (f16 rounding
-included); every output element within engine.reference.wgmma.wgmma_error_bound of the oracle
-on the kernel's own operands (f16-dequantized weights, f16 activations); ragged token counts and
-both token tiles. The worst ratio |y - ref| / bound goes to GPU_REPORT.
+Checked: the activation tiling kernel == the numpy tiling bit for bit (f16 rounding and the zero
+tokens past T included); every output element within engine.reference.wgmma.wgmma_error_bound of
+the oracle on the kernel's own operands (f16-dequantized weights, f16 activations); ragged token
+counts (token groups never copied), both token tiles, stage counts from 3 to 6. The worst ratio |y - ref| / bound goes to GPU_REPORT.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from engine.reference.mmq import random_blocks
 from engine.reference.wgmma import (
-    dequant_q4_k_f16, k_permutation, permute_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
+    dequant_q4_k_f16, k_permutation, tile_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
 )
 
 pytestmark = pytest.mark.gpu
@@ -43,41 +43,42 @@ def _report(**kw):
             f.write(json.dumps(kw) + "\n")
 
 
-def test_permute_kernel_matches_numpy(rng):
+def test_tile_kernel_matches_numpy(rng):
     _sm90()
     import cupy as cp
 
-    from engine.gpu.ops.wgmma import permute_x16 as gpu_permute
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
 
     x = (rng.standard_normal((37, 512)) * 3).astype(np.float32)
     x[0, :8] = [65519.0, 65521.0, -1e-8, 6e-8, 1e5, -0.0, 2.0 ** -24, 3.0 * 2 ** -25]  # rounding edges
-    got = cp.asnumpy(gpu_permute(cp.asarray(x))).view(np.uint16)
-    want = permute_x16(x).view(np.uint16)
+    got = cp.asnumpy(gpu_tile(cp.asarray(x))).view(np.uint16)
+    want = tile_x16(x).view(np.uint16)
     assert np.array_equal(got, want)
     assert sorted(k_permutation()) == list(range(256))
 
 
 @pytest.mark.parametrize("T,N,K,bt,stages", [
-    (128, 128, 256, 128, 4),       # one tile, one super-block
+    (128, 128, 256, 128, 4),       # one tile, one super-block (fewer stages than buffers)
     (200, 256, 1024, 128, 4),      # ragged second token tile
-    (77, 384, 4096, 256, 4),       # ragged single tile of 256
-    (300, 128, 2048, 128, 3),      # 3 stages (prefetch 1)
+    (77, 384, 4096, 256, 4),       # ragged single tile of 256 (token groups not copied)
+    (300, 128, 2048, 128, 3),
     (513, 256, 4096, 128, 6),
+    (700, 384, 1024, None, None),  # the production choice (registry.wgmma_bt)
 ])
 def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages):
     _sm90()
     import cupy as cp
 
-    from engine.gpu.ops.wgmma import permute_x16 as gpu_permute
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
     from engine.gpu.ops.wgmma import wgmma_q4k
     from engine.gpu.weights import upload_weight
 
     w = random_blocks(rng, "q4_k", N, K, special=True)
     x = rng.standard_normal((T, K)).astype(np.float32)
     wd = upload_weight(w, "Q4_K")
-    xp = gpu_permute(cp.asarray(x))
+    xt = gpu_tile(cp.asarray(x))
     y = cp.full((T, N), np.nan, dtype=cp.float32)
-    wgmma_q4k(wd, xp, out=y, bt=bt, stages=stages)
+    wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=stages)
     got = cp.asnumpy(y).astype(np.float64)
     w16, x16 = dequant_q4_k_f16(w), x.astype(np.float16)
     ref = wgmma_reference(w16, x16)

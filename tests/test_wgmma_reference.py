@@ -8,7 +8,7 @@ import numpy as np
 from engine.formats import quants as Q
 from engine.reference.mmq import random_blocks
 from engine.reference.wgmma import (
-    dequant_q4_k_f16, k_permutation, permute_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
+    dequant_q4_k_f16, k_permutation, permute_x16, tile_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
 )
 
 
@@ -19,6 +19,25 @@ def test_permutation_is_a_bijection_within_super_blocks():
     xp = permute_x16(x).astype(np.float32)
     assert np.array_equal(xp[:, 256:] - 256, xp[:, :256])            # same map in every super-block
     assert np.array_equal(xp[0, :256], P.astype(np.float32))
+
+
+def test_tiled_pieces_are_the_shared_memory_stage_layout():
+    """Token groups g0.. of one 64-k block are contiguous in tile_x16, and the 1,024-byte piece of
+    (token group, 64 k) holds (token n, k) at byte (k / 8) * 128 + (n % 8) * 16 + (k % 8) * 2, the
+    kernel's shared-memory core-matrix layout."""
+    rng = np.random.default_rng(3)
+    T, K = 13, 512
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xp, xt = permute_x16(x), tile_x16(x)
+    assert xt.shape == (K // 64, 2, 8, 8, 8)
+    flat = xt.reshape(-1)
+    for n in (0, 7, 8, 12):
+        for k in (0, 9, 63, 64, 300, 511):
+            gi, k0 = n // 8, k // 64 * 64
+            piece = (k0 // 64 * 2 + gi) * 512                           # in f16 elements
+            byte = (k - k0) // 8 * 128 + n % 8 * 16 + k % 8 * 2
+            assert flat[piece + byte // 2] == xp[n, k]
+    assert not xt[:, 1, :, 5:].any()                                    # tokens 13..15: zero
 
 
 def test_dequant_f16_is_the_f32_dequant_rounded_closely():

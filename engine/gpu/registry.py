@@ -183,12 +183,22 @@ def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- Hopper (wgmma)
 
-# kernels_cu/wgmma_q4_k.cu (sm_90a; issue 14): (BT tokens per block, activation stages).
-WGMMA_CONFIG = (128, 4)
+# kernels_cu/wgmma_q4_k.cu (sm_90a; issue 14): BT tokens per block (128 or 256) and 4 activation
+# stages. BT = 256 halves the L2 reads of the weights per token but needs two full waves of
+# 256-token tiles to keep the tail short (H100 hopper_bench, perf-log Session 12: 256 wins at
+# T = 3314 on every 7B shape and at T = 512 only on 22016 rows).
+WGMMA_BTS = (128, 256)
+WGMMA_STAGES = 4
+WGMMA_WAVE_SMS = 132
 
 
-def wgmma_instance(bt: int = WGMMA_CONFIG[0], stages: int = WGMMA_CONFIG[1]) -> str:
-    if bt % 128 or not 128 <= bt <= 256 or not 3 <= stages <= 8:
+def wgmma_bt(T: int, N: int) -> int:
+    tiles_256 = -(-T // 256) * (N // 128)
+    return 256 if tiles_256 >= 2 * WGMMA_WAVE_SMS else 128
+
+
+def wgmma_instance(bt: int, stages: int = WGMMA_STAGES) -> str:
+    if bt not in WGMMA_BTS or not 3 <= stages <= 8:
         raise ValueError(f"wgmma_q4_k: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
     return f"wgmma_q4_k<{bt}, {stages}>"
 
@@ -262,7 +272,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
-    "wgmma_q4_k.cu": (wgmma_instance(), "wgmma_permute_x16"),
+    "wgmma_q4_k.cu": tuple(wgmma_instance(bt) for bt in WGMMA_BTS) + ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
                         "swiglu_mul", "set_state"),

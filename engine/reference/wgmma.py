@@ -3,7 +3,8 @@ dequantized to f16 exactly as the kernel does, activations rounded to f16 and st
 permuted k order, products summed in float64.
 
     k_permutation() -> int [256]: P, with Xp[t, 256 b + L] = x[t, 256 b + P[L]]
-    permute_x16(x) -> float16 [T, K]: the kernel's activation operand, from float32 x
+    permute_x16(x) -> float16 [T, K]: the activations rounded to f16 in the kernel's k order
+    tile_x16(x) -> float16 [K/64, ceil(T/8), 8, 8, 8]: the same, tiled as the kernel reads it
     dequant_q4_k_f16(blocks) -> float16 [N, K]: w = f16(q f16(d sc) - f16(dmin m)), one rounding
     wgmma_reference(w16, x16) -> float64 [T, N]; wgmma_abs(w16, x16) -> sum of |x||w|
     wgmma_error_bound(K, S) -> per-element bound on |y - ref|
@@ -35,7 +36,20 @@ def permute_x16(x: np.ndarray) -> np.ndarray:
     T, K = x.shape
     if K % QK_K:
         raise ValueError(f"permute_x16: K={K} is not a multiple of {QK_K}")
-    return x.reshape(T, K // QK_K, QK_K)[:, :, k_permutation()].reshape(T, K).astype(np.float16)
+    with np.errstate(over="ignore"):                 # |x| >= 65520 -> inf, as cvt.rn.f16.f32
+        return x.reshape(T, K // QK_K, QK_K)[:, :, k_permutation()].reshape(T, K).astype(np.float16)
+
+
+def tile_x16(x: np.ndarray) -> np.ndarray:
+    """float32 [T, K] -> float16 [K/64, ceil(T/8), 8, 8, 8]: [64-k block, token group, 8-k chunk,
+    token, k] of permute_x16(x), tokens past T zero: 8 tokens x 64 k are one 1,024-byte piece and
+    consecutive token groups of one 64-k block are contiguous (one copy per pipeline stage)."""
+    xp = permute_x16(x)
+    T, K = xp.shape
+    T8 = -(-T // 8) * 8
+    padded = np.zeros((T8, K), dtype=np.float16)
+    padded[:T] = xp
+    return np.ascontiguousarray(padded.reshape(T8 // 8, 8, K // 64, 8, 8).transpose(2, 0, 3, 1, 4))
 
 
 def dequant_q4_k_f16(blocks: np.ndarray) -> np.ndarray:
