@@ -272,7 +272,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
-    "wgmma_q4_k.cu": tuple(wgmma_instance(bt) for bt in WGMMA_BTS) + ("wgmma_tile_x16",),
+    "wgmma_q4_k.cu": tuple(wgmma_instance(bt) for bt in WGMMA_BTS),
+    "wgmma_act.cu": ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
                         "swiglu_mul", "set_state"),

@@ -17,6 +17,7 @@ from engine.gpu.ops._util import check_dev
 from engine.gpu.weights import GGML_Q4_K, DeviceWeight
 
 FILE = "wgmma_q4_k.cu"
+ACT_FILE = "wgmma_act.cu"
 ROWS = 128            # WG_ROWS
 THREADS = 256         # WG_THREADS
 BK = 64               # WG_BK
@@ -44,7 +45,7 @@ def tile_x16(x, out=None):
         out = cp.empty(shape, dtype=cp.float16)
     check_dev(out, np.float16, shape, "tile_x16 out")
     n = out.size
-    kernels.get_kernel(FILE, "wgmma_tile_x16")(((n + 255) // 256,), (256,), (x, out, np.int32(T), np.int32(K)))
+    kernels.get_kernel(ACT_FILE, "wgmma_tile_x16")(((n + 255) // 256,), (256,), (x, out, np.int32(T), np.int32(K)))
     return out
 
 

@@ -1,0 +1,221 @@
+// wgmma_common.cuh: the Hopper (sm_90a) prefill GEMM pipeline shared by every weight format,
+// y[T, N] = x[T, K] . W[N, K]^T with W dequantized to f16 in registers (the A operand of
+// wgmma.m64n128k16, f32 accumulation over the whole K) and x in f16 from shared memory (the B
+// operand). Issue 14, route (b). A weight format is a policy WT (wgmma_q4_k.cu, wgmma_q6_k.cu):
+//   WT::BLOCK_BYTES                       bytes of one 256-element super-block in a row
+//   WT::Sb, WT::load(sb, r0, r1, b, t)   lane t's registers of super-block b of rows r0, r1
+//   WT::Sc, WT::scales(sc, sb, t)        their f16x2 scale operands
+//   WT::frags(a, sb, jj, sc)             k16 steps 4 jj .. 4 jj + 3 of the A fragment
+//
+// A fragment (as mma.m16n8k16: warp v of a warpgroup owns rows 16v..16v+15; lane (g, t) =
+// (lane / 4, lane % 4) holds rows g and g+8, k columns 2t, 2t+1, 2t+8, 2t+9 of each k16 step;
+// register r of step s: row g + 8 (r & 1), columns 2t + 8 (r >> 1) + {0, 1}). Every format
+// fills it from the same activation order: lane t owns the super-block's elements 64t..64t+63,
+// and word m (m = 0..7) of its element bytes j = 4m..4m+3 feeds steps 2m (elements 64t + j) and
+// 2m+1 (elements 64t + 32 + j): step 2m: cols 2t+e <- element byte 4m+2e, cols 2t+8+e <- byte
+// 4m+1+2e. So logical k L = 16 s + c of a super-block holds element P(L) (wg_perm,
+// engine.reference.wgmma.k_permutation): s = 2m + hi, c = 2t + 8 f + e ->
+//   P = 64 t + 32 hi + 4 m + f + 2 e.
+//
+// Activations Xt f16 [K/64, ceil(T/8), 8, 8, 8]: 64-k block, token group, 8-k chunk, token, k in
+// the permuted order, tokens past T zero (wgmma_act.cu writes it), so one stage (BT tokens x 64 k)
+// is BT / 8 x 1,024 contiguous bytes laid out as shared memory wants them: wgmma's no-swizzle
+// K-major core matrices (8 tokens x 16 bytes, 128 contiguous bytes), byte of (token n, k) =
+//   (n / 8) * 1024 + (k / 8) * 128 + (n % 8) * 16 + (k % 8) * 2.
+// Descriptor: LBO (next 8 k) = 128 B, SBO (next 8 tokens) = 1024 B; k16 step s starts at 256 s.
+//
+// Grid: x = token tile (fastest, so the blocks in flight share few weight rows and each row tile
+// is read from DRAM about once), y = 128-row tile; 256 threads = 2 warpgroups x 64 rows.
+// Pipeline: STAGES buffers, each filled by one cp.async.bulk copy (async proxy, completion
+// counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup waits for
+// stage j's mbarrier, builds its A fragments while its wgmmas of stage j - 1 run, issues stage j,
+// waits for stage j - 1 (wgmma.wait_group 1); after a barrier of both warpgroups thread 0 refills
+// buffer j - 1. No proxy fence in the loop: with 16-byte cp.async (generic proxy) every stage
+// needs fence.proxy.async, whose MEMBAR also waits for the weight loads in flight, and that
+// pipeline measured 10-25% slower (docs/perf-log.md, Session 12). Weights stream
+// register-direct, one super-block ahead.
+#pragma once
+#include "common.cuh"
+
+#define WG_BK 64                       // k per activation stage
+#define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
+#define WG_THREADS 256
+
+// P(L) above: the element of a super-block that logical k L holds.
+__device__ __forceinline__ int wg_perm(int L) {
+    const int s = L >> 4, c = L & 15;
+    const int hi = s & 1, m = s >> 1, e = c & 1, f = (c >> 3) & 1, tt = (c >> 1) & 3;
+    return 64 * tt + 32 * hi + 4 * m + f + 2 * e;
+}
+
+__device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// bytes (multiple of 16) global -> shared through the async proxy, counted on mbarrier bar.
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// D[64 x 128] += A[64 x 16] (registers) . B[16 x 128] (shared, K-major, descriptor)
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], u64 desc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+__device__ __forceinline__ u32 h2_add(u32 a, u32 b) {
+    u32 r;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 f32_to_h2_bcast(float x) {   // (f16(x), f16(x)), round to nearest
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return (u32)h * 0x10001u;
+}
+
+__device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+#define H2_1024 0x64006400u            // (1024, 1024)
+#define H2_M1024 0xE400E400u           // (-1024, -1024)
+
+template <int BT>
+__device__ __forceinline__ void wg_issue_stage(float (&acc)[BT / 128][64], const u32 (&a)[4][4], u32 sbuf) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int h = 0; h < BT / 128; ++h)
+            wgmma_n128(acc[h], a[s], wg_desc(sbuf + h * 16 * 1024 + s * 256, 128, 1024));
+}
+
+// Byte offset in Xt of the 1,024-byte piece (token group gi, k0 .. k0 + 63).
+__device__ __forceinline__ size_t wg_piece(int gi, int ngroups, int k0) {
+    return ((size_t)(k0 / WG_BK) * ngroups + gi) * 1024;
+}
+
+// Thread 0: the stage's token groups in one copy; groups past the last one are not copied (their
+// token columns are never stored).
+template <int BT>
+__device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* __restrict__ Xt, int ngroups, int g0,
+                                              int k0) {
+    const u32 bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
+    mbar_arrive_expect_tx(bar, bytes);
+    bulk_g2s(sbuf, Xt + wg_piece(g0, ngroups, k0), bytes, bar);
+}
+
+// The whole GEMM of one block (the __global__ wrappers call it after pdl_entry()).
+template <class WT, int BT, int STAGES>
+__device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* __restrict__ Xt,
+                                           float* __restrict__ Y, int T, int N, int K) {
+    extern __shared__ __align__(1024) u8 smem[];
+    const u32 s0 = smem_u32(smem);
+    constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
+    const u32 bars = s0 + STAGES * STAGE_BYTES;                  // one 8-byte mbarrier per buffer
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.y * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
+    const int g0 = blockIdx.x * (BT / 8), ngroups = (T + 7) / 8;
+    const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
+    const u8* r0 = W + (size_t)row0 * row_bytes;
+    const u8* r1 = r0 + 8 * row_bytes;
+    const int nst = K / WG_BK, nsb = K / 256;
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int j = 0; j < STAGES && j < nst; ++j)
+            wg_bulk_stage<BT>(s0 + j * STAGE_BYTES, bars + 8 * j, Xt, ngroups, g0, j * WG_BK);
+
+    float acc[BT / 128][64];
+#pragma unroll
+    for (int h = 0; h < BT / 128; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+
+    typename WT::Sb cur, nxt;
+    WT::load(cur, r0, r1, 0, t);
+    typename WT::Sc sc;
+    u32 a[4][4];
+    for (int sb = 0; sb < nsb; ++sb) {
+        if (sb + 1 < nsb) WT::load(nxt, r0, r1, sb + 1, t);
+        WT::scales(sc, cur, t);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            const int j = sb * 4 + jj;
+            mbar_wait(bars + 8 * (j % STAGES), (j / STAGES) & 1);       // stage j landed
+            WT::frags(a, cur, jj, sc);
+            wg_fence();
+            wg_issue_stage<BT>(acc, a, s0 + (j % STAGES) * STAGE_BYTES);
+            wg_commit();
+            wg_wait<1>();                              // stage j - 1 retired in this warpgroup
+            const int jn = j - 1 + STAGES;             // refill buffer j - 1 once both warpgroups retired it
+            __syncthreads();
+            if (threadIdx.x == 0 && j >= 1 && jn < nst)
+                wg_bulk_stage<BT>(s0 + (jn % STAGES) * STAGE_BYTES, bars + 8 * (jn % STAGES), Xt, ngroups, g0,
+                                  jn * WG_BK);
+        }
+        cur = nxt;
+    }
+    wg_wait<0>();
+
+    // acc[h][4 i + e]: row g + 8 (e >> 1), token 128 h + 8 i + 2 t + (e & 1)
+    const int tok0 = g0 * 8;
+#pragma unroll
+    for (int h = 0; h < BT / 128; ++h)
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int tok = tok0 + 128 * h + 8 * i + 2 * t + (e & 1);
+                if (tok < T) Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = acc[h][4 * i + e];
+            }
+}
+
