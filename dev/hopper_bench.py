@@ -3,7 +3,7 @@
     python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,..] [--shapes q4_k:NxK,..]
                                [--reps 20] [--json OUT]
 
-Per q4_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
+Per q4_K / q6_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
 that exceed the L2 4x): wgmma_q4k per config BTxSTAGES ("auto": registry.wgmma_bt), its activation
 tiling (a stand-in for the producer that will write f16 directly), the production MMQ variant (choose_variant) plus its
 q8_1 quantization, and cupy.matmul on f16 weights (cuBLAS, launched from the host: it refuses capture). Each wgmma output is checked on 16
@@ -19,10 +19,11 @@ import numpy as np
 
 from dev.gemm_bench import GraphTimer, parse_shapes
 from engine.reference.mmq import random_blocks
-from engine.reference.wgmma import dequant_q4_k_f16, wgmma_abs, wgmma_error_bound, wgmma_reference
+from engine.reference.wgmma import dequant_q4_k_f16, dequant_q6_k_f16, wgmma_abs, wgmma_error_bound, wgmma_reference
 
 SHAPES = [("q4_k", 4096, 4096), ("q4_k", 11008, 4096), ("q4_k", 4096, 11008),
-          ("q4_k", 12288, 4096), ("q4_k", 22016, 4096)]
+          ("q4_k", 12288, 4096), ("q4_k", 22016, 4096), ("q6_k", 4096, 4096), ("q6_k", 4096, 11008),
+          ("q6_k", 32000, 4096)]
 
 
 def parse_config(cfg: str) -> tuple[int | None, int | None]:
@@ -37,20 +38,19 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
     import cupy as cp
 
     from engine.gpu.ops import mmq as gpu_mmq
-    from engine.gpu.ops.wgmma import tile_x16, wgmma_q4k
+    from engine.gpu.ops.wgmma import tile_x16, wgmma_q4k, wgmma_q6k
     from engine.gpu.weights import DeviceWeight, upload_weight
 
     rng = np.random.default_rng(seed)
     gt = GraphTimer(cp, reps=reps)
     rows = []
     for kind, N, K in shapes:
-        if kind != "q4_k":
-            continue
         w = random_blocks(rng, kind, N, K, special=False)
-        wd = upload_weight(w, "Q4_K")
+        wd = upload_weight(w, kind.upper())                 # q6_K: padded (the production layout)
+        gemm = wgmma_q4k if kind == "q4_k" else wgmma_q6k
         copies = [wd] + [DeviceWeight(wd.ggml_type, N, K, wd.data.copy(), wd.padded)
                          for _ in range(gt.copies(wd.nbytes) - 1)]
-        w16_h = dequant_q4_k_f16(w)
+        w16_h = dequant_q4_k_f16(w) if kind == "q4_k" else dequant_q6_k_f16(w)
         w16 = cp.asarray(w16_h)
         w16c = [w16] + [w16.copy() for _ in range(max(1, gt.copies(w16.nbytes)) - 1)]
         sample = np.sort(rng.choice(N, size=16, replace=False))
@@ -78,11 +78,11 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
             for cfg in configs:
                 bt, st = parse_config(cfg)
                 y.fill(np.nan)
-                wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=st)
+                gemm(wd, xt, T, out=y, bt=bt, stages=st)
                 got = cp.asnumpy(y[:, cp.asarray(sample)]).astype(np.float64)
                 ok = bool(np.all(np.isfinite(got)) and np.all(np.abs(got - ref) <= bound))
                 worst = float(np.max(np.abs(got - ref) / np.maximum(bound, 1e-300)))
-                t = gt(lambda c: wgmma_q4k(copies[c], xt, T, out=y, bt=bt, stages=st),
+                t = gt(lambda c: gemm(copies[c], xt, T, out=y, bt=bt, stages=st),
                        len(copies))["median_ms"]
                 row = dict(base, config=cfg, wgmma_ms=t, ratio=t_cub / t, vs_mmq=t_mmq / t,
                            tflops=flops / t * 1e-9, ok=ok, worst_over_bound=worst)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             json.dump(rows, f, indent=1)
     print(f"\n{'shape':>14s} {'T':>5s} {'cfg':>6s} {'wgmma ms':>9s} {'MMQ ms':>8s} {'cuBLAS':>8s} {'/cuBLAS':>8s} {'xMMQ':>6s} ok")
     for r in rows:
-        print(f"{r['N']:>7d}x{r['K']:<6d} {r['T']:5d} {r['config']:>6s} {r['wgmma_ms']:9.3f} {r['mmq_ms']:8.3f} "
+        print(f"{r['kind']} {r['N']:>7d}x{r['K']:<6d} {r['T']:5d} {r['config']:>6s} {r['wgmma_ms']:9.3f} {r['mmq_ms']:8.3f} "
               f"{r['cublas_ms']:8.3f} {r['ratio']:8.2f} {r['vs_mmq']:6.2f} {r['ok']}")
     return 0 if all(r["ok"] for r in rows) else 1
 

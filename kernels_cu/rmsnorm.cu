@@ -12,25 +12,24 @@
 //      s = sum(h) leaves the error -sum(e * d*sc*q4) (q4 >= 0) instead of -sum(e * W):
 //      about 2x the logit error on q4_K_M models (measured; docs/perf-log.md);
 //      hout float32 [R, K] = h when not null (tests).
+//      add_rmsnorm_x16: the same h as f16 into the Hopper GEMMs' tiled operand (x16_tiles.cuh).
 // Grid: R blocks of 256 threads (8 warps); thread t holds the float4s i = t + 256 j (elements
 // 4i..4i+3), j < K/1024 (rounded up; K/4 % 64 == 0, so whole warps are in or out): 16-byte
 // coalesced loads and stores; a q8_1 block is 8 consecutive lanes (shuffles xor 1, 2, 4).
 #include "common.cuh"
+#include "x16_tiles.cuh"
 
 #define RN_THREADS 256
 #define RN_MAXJ 8            // K <= 8 * 1024
 
-extern "C" __global__ void __launch_bounds__(RN_THREADS)
-add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-                 i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout,
-                 int K, float eps) {
-    pdl_entry();
-    __shared__ float red[RN_THREADS / 32];
-    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// Row r: x += y (when y), v[j] = the row's float4s i = tid + 256 j; returns the row's
+// 1 / sqrt(mean(x^2) + eps). Every thread of the block calls it (one barrier).
+__device__ __forceinline__ float rn_add_scale(float4 (&v)[RN_MAXJ], float* __restrict__ x, const float* __restrict__ y,
+                                              int r, int K, float eps, float* red) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int K4 = K >> 2;
     float4* xr = reinterpret_cast<float4*>(x + (size_t)r * K);
     const float4* yr = y ? reinterpret_cast<const float4*>(y + (size_t)r * K) : nullptr;
-    float4 v[RN_MAXJ];
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
@@ -59,7 +58,29 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
     float tot = 0.0f;
 #pragma unroll
     for (int i = 0; i < RN_THREADS / 32; ++i) tot += red[i];
-    const float scale = nf_div(1.0f, sqrtf(nf_div(tot, (float)K) + eps));
+    return nf_div(1.0f, sqrtf(nf_div(tot, (float)K) + eps));
+}
+
+// h = (v * scale) * w, the float32 the q8_1 and the f16 outputs are made from.
+__device__ __forceinline__ float4 rn_h(const float4& v, float scale, const float4& wv) {
+    float4 h;
+    h.x = __fmul_rn(__fmul_rn(v.x, scale), wv.x);
+    h.y = __fmul_rn(__fmul_rn(v.y, scale), wv.y);
+    h.z = __fmul_rn(__fmul_rn(v.z, scale), wv.z);
+    h.w = __fmul_rn(__fmul_rn(v.w, scale), wv.w);
+    return h;
+}
+
+extern "C" __global__ void __launch_bounds__(RN_THREADS)
+add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                 i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout,
+                 int K, float eps) {
+    pdl_entry();
+    __shared__ float red[RN_THREADS / 32];
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+    const int K4 = K >> 2;
+    float4 v[RN_MAXJ];
+    const float scale = rn_add_scale(v, x, y, r, K, eps, red);
     u32* qr = reinterpret_cast<u32*>(q + (size_t)r * K);
     float2* dsr = ds + (size_t)r * (K >> 5);
     const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -67,18 +88,34 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = tid + RN_THREADS * j;
         if (i < K4) {                                  // warp-uniform
-            const float4 wv = w4[i];
-            float4 h;
-            h.x = __fmul_rn(__fmul_rn(v[j].x, scale), wv.x);
-            h.y = __fmul_rn(__fmul_rn(v[j].y, scale), wv.y);
-            h.z = __fmul_rn(__fmul_rn(v[j].z, scale), wv.z);
-            h.w = __fmul_rn(__fmul_rn(v[j].w, scale), wv.w);
+            const float4 h = rn_h(v[j], scale, w4[i]);
             if (hout) reinterpret_cast<float4*>(hout + (size_t)r * K)[i] = h;
             float d;
             int qv[4], qs;
             q8_1_quad<RnDivExact>(h.x, h.y, h.z, h.w, qv, d, qs);
             qr[i] = pack_i8x4(qv);
             if ((lane & 7) == 0) dsr[i >> 3] = make_float2(d, RnDivExact::mul(d, (float)qs));
+        }
+    }
+}
+
+// The same h as add_rmsnorm_q8_1 (bit for bit), written as f16 into the Hopper GEMMs' tiled
+// operand Xt (x16_tiles.cuh) of T rows (the grid's R = T rows; Xt zeroed past T by the caller).
+extern "C" __global__ void __launch_bounds__(RN_THREADS)
+add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                u16* __restrict__ Xt, int K, float eps) {
+    pdl_entry();
+    __shared__ float red[RN_THREADS / 32];
+    const int r = blockIdx.x, tid = threadIdx.x, ngroups = (gridDim.x + 7) / 8;
+    float4 v[RN_MAXJ];
+    const float scale = rn_add_scale(v, x, y, r, K, eps, red);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll
+    for (int j = 0; j < RN_MAXJ; ++j) {
+        const int i = tid + RN_THREADS * j;
+        if (i < (K >> 2)) {
+            const float4 h = rn_h(v[j], scale, w4[i]);
+            wg_store_quad(Xt, r, 4 * i, ngroups, h.x, h.y, h.z, h.w);
         }
     }
 }

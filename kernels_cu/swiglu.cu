@@ -8,7 +8,9 @@
 // One thread per 4 consecutive elements (n4 = T*F/4 float4s, 16-byte loads: ld and the g/u
 // offsets are multiples of 4 floats); a q8_1 block is 8 consecutive lanes (shuffles xor 1, 2,
 // 4; lanes past n4 take part with zeros and store nothing). Block 256 threads.
+// swiglu_x16: the same h as f16 into the Hopper GEMMs' tiled operand (x16_tiles.cuh).
 #include "common.cuh"
+#include "x16_tiles.cuh"
 
 // silu in the RnDivExact policy (numerics.cuh: non-ftz add / div), then the ftz product.
 __device__ __forceinline__ float sw_silu_mul(float g, float u) {
@@ -52,4 +54,20 @@ swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long 
                                        ((u32)(qv[2] & 0xFF) << 16) | ((u32)(qv[3] & 0xFF) << 24);
         if ((lane & 7) == 0) ds[i >> 3] = make_float2(d, __fmul_rn(d, (float)qs));
     }
+}
+
+// h as in swiglu_q8_1 (bit for bit) as f16 into Xt (x16_tiles.cuh) of T rows, zeroed past T by
+// the caller. One thread per 4 consecutive elements (n4 = T*F/4).
+extern "C" __global__ void __launch_bounds__(256)
+swiglu_x16(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F, int T,
+           u16* __restrict__ Xt) {
+    pdl_entry();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // float4 index
+    const int f4 = F >> 2;
+    if (i >= (long long)T * f4) return;
+    const int t = (int)(i / f4), c = (int)(i - (long long)t * f4);
+    const float4 gv = *reinterpret_cast<const float4*>(g + t * ld + 4 * c);
+    const float4 uv = *reinterpret_cast<const float4*>(u + t * ld + 4 * c);
+    wg_store_quad(Xt, t, 4 * c, (T + 7) / 8, sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y),
+                  sw_silu_mul(gv.z, uv.z), sw_silu_mul(gv.w, uv.w));
 }

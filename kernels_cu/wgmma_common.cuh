@@ -5,7 +5,13 @@
 //   WT::BLOCK_BYTES                       bytes of one 256-element super-block in a row
 //   WT::Sb, WT::load(sb, r0, r1, b, t)   lane t's registers of super-block b of rows r0, r1
 //   WT::Sc, WT::scales(sc, sb, t)        their f16x2 scale operands
-//   WT::frags(a, sb, jj, sc)             k16 steps 4 jj .. 4 jj + 3 of the A fragment
+//   WT::PF, WT::St, WT::load_stage(st, r0, r1, j, t)
+//                                        lane t's registers of pipeline stage j (part j % 4 of
+//                                        super-block j / 4), loaded PF stages ahead into a ring of
+//                                        PF slots (PF = 1, 2 or 4), for formats too large to hold
+//                                        a super-block twice (q6_K); PF = 0: none (empty St)
+//   WT::frags(a, sb, st, jj, sc)         k16 steps 4 jj .. 4 jj + 3 of the A fragment (st: the
+//                                        stage's slot)
 //
 // A fragment (as mma.m16n8k16: warp v of a warpgroup owns rows 16v..16v+15; lane (g, t) =
 // (lane / 4, lane % 4) holds rows g and g+8, k columns 2t, 2t+1, 2t+8, 2t+9 of each k16 step;
@@ -13,7 +19,7 @@
 // fills it from the same activation order: lane t owns the super-block's elements 64t..64t+63,
 // and word m (m = 0..7) of its element bytes j = 4m..4m+3 feeds steps 2m (elements 64t + j) and
 // 2m+1 (elements 64t + 32 + j): step 2m: cols 2t+e <- element byte 4m+2e, cols 2t+8+e <- byte
-// 4m+1+2e. So logical k L = 16 s + c of a super-block holds element P(L) (wg_perm,
+// 4m+1+2e. So logical k L = 16 s + c of a super-block holds element P(L) (x16_tiles.cuh wg_perm,
 // engine.reference.wgmma.k_permutation): s = 2m + hi, c = 2t + 8 f + e ->
 //   P = 64 t + 32 hi + 4 m + f + 2 e.
 //
@@ -33,20 +39,15 @@
 // buffer j - 1. No proxy fence in the loop: with 16-byte cp.async (generic proxy) every stage
 // needs fence.proxy.async, whose MEMBAR also waits for the weight loads in flight, and that
 // pipeline measured 10-25% slower (docs/perf-log.md, Session 12). Weights stream
-// register-direct, one super-block ahead.
+// register-direct, one super-block ahead (Sb), or per stage PF stages ahead (St; q6_K).
 #pragma once
 #include "common.cuh"
+#include "x16_tiles.cuh"
 
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
 
-// P(L) above: the element of a super-block that logical k L holds.
-__device__ __forceinline__ int wg_perm(int L) {
-    const int s = L >> 4, c = L & 15;
-    const int hi = s & 1, m = s >> 1, e = c & 1, f = (c >> 3) & 1, tt = (c >> 1) & 3;
-    return 64 * tt + 32 * hi + 4 * m + f + 2 * e;
-}
 
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
@@ -182,6 +183,13 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 
     typename WT::Sb cur, nxt;
     WT::load(cur, r0, r1, 0, t);
+    constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
+    static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
+    typename WT::St st[NSLOT];
+    if constexpr (WT::PF > 0) {
+#pragma unroll
+        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, p, t);   // PF <= 4 <= nst
+    }
     typename WT::Sc sc;
     u32 a[4][4];
     for (int sb = 0; sb < nsb; ++sb) {
@@ -191,7 +199,10 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;
             mbar_wait(bars + 8 * (j % STAGES), (j / STAGES) & 1);       // stage j landed
-            WT::frags(a, cur, jj, sc);
+            WT::frags(a, cur, st[jj % NSLOT], jj, sc);
+            if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
+                if (j + WT::PF < nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
+            }
             wg_fence();
             wg_issue_stage<BT>(acc, a, s0 + (j % STAGES) * STAGE_BYTES);
             wg_commit();

@@ -17,6 +17,8 @@
 
 struct WgQ4K {
 static constexpr int BLOCK_BYTES = 144;
+enum { PF = 0 };                                       // no per-stage part: the super-block streams in
+struct St {};                                          // Sb (an enum: a static constexpr adds a .global)
 
 // One super-block of a lane's two rows: the 16-byte header and the 32 qs bytes of chunk t.
 struct Sb {
@@ -78,7 +80,7 @@ static __device__ __forceinline__ void scales(Sc& sc, const Sb& s, int t) {
 }
 
 // Stage jj (0..3) of a super-block: words 2jj, 2jj+1 of both rows -> 4 k16 steps x 4 registers.
-static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, int jj, const Sc& sc) {
+static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const St&, int jj, const Sc& sc) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
         const int m = 2 * jj + q;                      // word index 0..7, compile-time after unroll

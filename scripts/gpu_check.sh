@@ -8,7 +8,7 @@
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab, hopper); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper, hopper_pp); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -191,6 +191,20 @@ step_hopper() {
   python3 -m dev.hopper_bench --tokens "${HOPPER_TOKENS:-512,3314}" --configs "${HOPPER_CONFIGS:-auto,128x4,256x4}" \
       ${HOPPER_SHAPES:+--shapes $HOPPER_SHAPES} --json "$OUT/hopper.json" 2>&1 | tee "$OUT/hopper.log"
   return "${PIPESTATUS[0]}"
+}
+
+# The Hopper route in the whole model (issue 14): `bench` on the synthetic llama2-7b with the
+# q4_K GEMMs on MMQ (GGUF_PREFILL_WGMMA=0) and on wgmma, same call, per-op breakdown.
+step_hopper_pp() {
+  local m=/tmp/l7b.gguf rc=0 mode
+  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  for mode in 0 1; do
+    GGUF_PREFILL_WGMMA=$mode timeout 300 python3 -m engine bench --model "$m" --device gpu -p "${HOPPER_PP:-512,3314}" \
+        -r "${HOPPER_REPS:-5}" --breakdown --json > "$OUT/hopper_pp_$mode.json" 2> "$OUT/hopper_pp_$mode.err" || rc=1
+    echo "--- GGUF_PREFILL_WGMMA=$mode"
+    tr '\r' '\n' < "$OUT/hopper_pp_$mode.err" | grep -v '^$' | grep -v "^loading" | tail -"${HOPPER_LINES:-30}"
+  done
+  return $rc
 }
 
 # Small-batch MMQ grids: the production plan against every tile split into P K-parts

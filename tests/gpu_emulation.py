@@ -1,6 +1,8 @@
 """Run engine.gpu.model.GPUModel on the CPU: numpy stands in for cupy and each GPU launcher is
-replaced by the numpy reference of the same numerics (engine/reference/numerics.py: q8_1 GEMM
-inputs, f16 Q/K/V/P in attention, f32 elsewhere). This file is only the plumbing: a fake cupy and
+replaced by the numpy reference of the same numerics (engine/reference/numerics.py: q8_1 MMQ
+inputs, f16 inputs and f16-rounded weights in the Hopper GEMMs, f16 Q/K/V/P in attention, f32
+elsewhere). The Hopper path runs where a test sets GPUModel.wgmma_min_tokens (the fake device
+is no sm_90). This file is only the plumbing: a fake cupy and
 the launchers patched for the duration of `emulated_gpu()`.
 
 Two uses, both without a GPU:
@@ -80,6 +82,13 @@ def emu_add_rmsnorm_q8_1(x, y, w, eps, act, hout=None):
     _store_q8(q8, act)
 
 
+def emu_add_rmsnorm_x16(x, y, w, eps, xt):
+    xs, _, tiled = numerics.rmsnorm_x16(x, w, eps, y)
+    if y is not None:
+        x[...] = xs
+    xt[...] = tiled
+
+
 def emu_qkv_rope(q, k, v, lds, bq, bk, bv, cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads, head_dim,
                  start_dev=None, rows=None):
     start += 0 if start_dev is None else int(start_dev[0])
@@ -121,6 +130,34 @@ def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, deco
 
 def emu_swiglu_q8_1(g, u, ld, F, act):
     _store_q8(numerics.swiglu_q8_1(g, u), act)
+
+
+def emu_swiglu_x16(g, u, ld, F, xt, T):
+    xt[...] = numerics.swiglu_x16(g, u)
+
+
+def emu_tile_x16(x, out=None):
+    from engine.reference.wgmma import tile_x16
+
+    t = tile_x16(x)
+    if out is None:
+        return t
+    out[...] = t
+    return out
+
+
+def emu_tiled_buffer(T, K):
+    from engine.gpu.ops.wgmma import tiled_shape
+
+    return np.zeros(tiled_shape(T, K), dtype=np.float16)
+
+
+def emu_wgmma(weight, xt, T, out=None):
+    y = numerics.wgmma_f16(weight.data, weight.kind, numerics.untile_x16(xt, T), weight.padded)
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def emu_mmq(weight, act, out=None, variant=None):
@@ -172,6 +209,9 @@ def emulated_gpu():
                (ops.rope, "qkv_rope"): emu_qkv_rope, (ops.attention, "attention_prefill"): emu_attention_prefill,
                (ops.attention, "attention_varlen"): emu_attention_varlen,
                (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq,
+               (ops.norm, "add_rmsnorm_x16"): emu_add_rmsnorm_x16, (ops.activation, "swiglu_x16"): emu_swiglu_x16,
+               (ops.wgmma, "tile_x16"): emu_tile_x16, (ops.wgmma, "tiled_buffer"): emu_tiled_buffer,
+               (ops.wgmma, "wgmma"): emu_wgmma,
                (ops.norm, "gather_add_rows"): emu_gather_add_rows, (ops.argmax, "argmax_rows"): emu_argmax_rows,
                (ops.argmax, "record_last"): emu_record_last, (ops.argmax, "resolve_follow"): emu_resolve_follow,
                (gpu_batch, "pinned_int32"): lambda n: np.zeros(n, np.int32),

@@ -139,6 +139,60 @@ def test_add_rmsnorm_q8_1(cp, rng, K, with_y):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("R,K,with_y", [(6, 512, True), (13, 4096, True), (9, 768, False)])
+def test_add_rmsnorm_x16(cp, rng, R, K, with_y):
+    """The tiled f16 operand of the Hopper GEMMs: bit for bit the f16 of add_rmsnorm_q8_1's own
+    h (its hout) in engine.reference.wgmma.tile_x16's layout, rows past R zero; the add the same."""
+    from engine.gpu import ops
+    from engine.gpu.ops.wgmma import tiled_buffer
+    from engine.reference.wgmma import tile_x16
+
+    eps = 1e-5
+    x = (rng.standard_normal((R, K)) * rng.uniform(0.1, 30, (R, 1))).astype(np.float32)
+    y = (rng.standard_normal((R, K)) * 2).astype(np.float32)
+    w = rng.uniform(-2, 2, K).astype(np.float32)
+    x1, x2 = cp.asarray(x), cp.asarray(x)
+    hout = cp.full((R, K), np.nan, dtype=cp.float32)
+    ops.norm.add_rmsnorm_q8_1(x1, cp.asarray(y) if with_y else None, cp.asarray(w), eps, _q8(cp, R, K), hout=hout)
+    xt = tiled_buffer(R, K)
+    ops.norm.add_rmsnorm_x16(x2, cp.asarray(y) if with_y else None, cp.asarray(w), eps, xt)
+    assert np.array_equal(cp.asnumpy(x1), cp.asnumpy(x2))
+    want = tile_x16(cp.asnumpy(hout)).view(np.uint16)
+    mism = int(np.sum(cp.asnumpy(xt).view(np.uint16) != want))
+    _report(test="prefill_rmsnorm_x16", R=R, K=K, with_y=with_y, mismatches=mism)
+    assert mism == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused,T,F", [(True, 5, 512), (False, 11, 768)])
+def test_swiglu_x16(cp, rng, fused, T, F):
+    """silu(g) * u as the tiled f16 operand: within one f16 rounding of numpy's float32 h (the
+    kernel's expf is CUDA's), tokens past T zero."""
+    from engine.gpu import ops
+    from engine.gpu.ops.wgmma import tiled_buffer
+    from engine.reference.ops import silu
+    from engine.reference.wgmma import tile_x16
+
+    g = (rng.standard_normal((T, F)) * 4).astype(np.float32)
+    u = (rng.standard_normal((T, F)) * 2).astype(np.float32)
+    g[0, :40] = -200.0
+    xt = tiled_buffer(T, F)
+    if fused:
+        gu = cp.asarray(np.concatenate([g, u], axis=1))
+        ops.activation.swiglu_x16(gu[:, :F], gu[:, F:], 2 * F, F, xt, T)
+    else:
+        ops.activation.swiglu_x16(cp.asarray(g), cp.asarray(u), F, F, xt, T)
+    h = silu(g) * u
+    got = cp.asnumpy(xt).astype(np.float64)
+    want16 = tile_x16(h)
+    ulp = np.spacing(np.abs(want16)).astype(np.float64)                 # one f16 step at |want|
+    err = float(np.max(np.abs(got - want16.astype(np.float64)) - ulp))
+    _report(test="prefill_swiglu_x16", fused=fused, T=T, F=F, excess_over_ulp=err)
+    assert np.isfinite(got).all()
+    assert err <= 0.0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused,T,F", [(True, 5, 512), (False, 5, 512), (True, 3, 96)])
 def test_swiglu_q8_1(cp, rng, fused, T, F):
     from engine.gpu import ops
@@ -550,6 +604,33 @@ BOUNDS = {"tiny": 2.5e-2, "tiny-qwen2": 2.5e-2, "slice": 5e-2}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-qwen2", "slice"])
+def test_forward_hopper_vs_mmq(models, name):
+    """sm_90: the same 600-token prompt with the layer GEMMs on wgmma (f16 operands) and on MMQ
+    (q8_1): both within the reference bound; the f16 route's error reported beside the q8_1 one."""
+    import cupy as cp
+
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper route needs sm_90")
+    if name not in models:
+        pytest.skip(f"{SLICE} missing")
+    mf, ref, gpu = models[name]
+    ids = np.random.default_rng(11).integers(0, mf.config.vocab_size, 600)
+    lr = ref.forward(ids, ref.new_cache(600), all_logits=True)
+    saved = gpu.wgmma_min_tokens
+    try:
+        recs = {}
+        for tag, m in (("mmq", None), ("wgmma", 1)):
+            gpu.wgmma_min_tokens = m
+            lg = gpu.forward(ids, gpu.new_cache(600), all_logits=True)
+            recs[tag] = _compare(f"{name}-600-{tag}", lg, lr, BOUNDS[name])
+    finally:
+        gpu.wgmma_min_tokens = saved
+    for rec in recs.values():
+        _check(rec)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "slice"])
 @pytest.mark.parametrize("n", [1, 7, 300, "ctx"])
 def test_forward_vs_reference(models, name, n):
@@ -639,6 +720,41 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
     rel = np.linalg.norm(lg - lr) / np.linalg.norm(lr)
     assert rel <= BOUNDS["tiny-qwen2"], rel
     assert np.linalg.norm(last - lr[-1]) / np.linalg.norm(lr[-1]) <= BOUNDS["tiny-qwen2"]
+
+
+def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
+    """The Hopper route on the CPU emulator (f16 activations, f16-rounded q4_K and q6_K weights):
+    ubatches of >= wgmma_min_tokens tokens take it for every layer GEMM, shorter ones do not (q8_1
+    MMQ); with q6_K left on MMQ the mixed q4_K | q6_K qkv group gets both operand forms from one
+    norm; the logits stay within the bound."""
+    from engine.gpu import ops
+    from engine.reference.model import ReferenceModel
+    from engine.formats.weights import open_model
+    from tests.gpu_emulation import emulated_gpu
+
+    mf = open_model(tiny_qwen2_model_path)
+    ref = ReferenceModel(mf)
+    ids = np.random.default_rng(1).integers(0, mf.config.vocab_size, 150)
+    lr = ref.forward(ids, ref.new_cache(150), all_logits=True)
+    with emulated_gpu():
+        from engine.gpu.model import GPUModel
+
+        calls = []
+        wg = ops.wgmma.wgmma
+        monkeypatch.setattr(ops.wgmma, "wgmma", lambda w, xt, T, **kw: calls.append((T, w.kind)) or wg(w, xt, T, **kw))
+        g = GPUModel(mf, ubatch=64)
+        g.wgmma_min_tokens = 64
+        lg = g.forward(ids, g.new_cache(150), all_logits=True)     # ubatches 64, 64, 22
+        n_all = len(calls)
+        g.wgmma_kinds = frozenset({"q4_k"})
+        lq = g.forward(ids, g.new_cache(150), all_logits=True)
+    n_layers = mf.config.n_layers
+    assert {t for t, _ in calls} == {64} and {k for _, k in calls} == {"q4_k", "q6_k"}
+    # every layer GEMM of the two long ubatches: qkv group(s), Wo, gate|up, down
+    assert n_all == sum(2 * (len(L.qkv) + 3) for L in g.layers)
+    for out in (lg, lq):
+        rel = np.linalg.norm(out - lr) / np.linalg.norm(lr)
+        assert rel <= BOUNDS["tiny-qwen2"], rel
 
 
 def test_gpu_model_rejects_wrong_cache(tiny_model_path):

@@ -1,5 +1,6 @@
-"""GPU (sm_90): the Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu) against its float64 oracle
-(engine.reference.wgmma), on fresh random q4_K blocks and activations, poisoned outputs.
+"""GPU (sm_90): the Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu) against their
+float64 oracle (engine.reference.wgmma), on fresh random q4_K / q6_K blocks and activations,
+poisoned outputs; q6_K in both block layouts (padded 224-byte and raw 210-byte: the same bits).
 
 Checked: the activation tiling kernel == the numpy tiling bit for bit (f16 rounding and the zero
 tokens past T included); every output element within engine.reference.wgmma.wgmma_error_bound of
@@ -16,7 +17,7 @@ import pytest
 
 from engine.reference.mmq import random_blocks
 from engine.reference.wgmma import (
-    dequant_q4_k_f16, k_permutation, tile_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
+    dequant_q4_k_f16, dequant_q6_k_f16, k_permutation, tile_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
 )
 
 pytestmark = pytest.mark.gpu
@@ -89,3 +90,58 @@ def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages):
     _report(test="wgmma_q4k", T=T, N=N, K=K, bt=bt, stages=stages, worst_err_over_bound=worst,
             rel_l2=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
     assert np.all(err <= bound), f"worst |y - ref| / bound = {worst:.3g}"
+
+
+@pytest.mark.parametrize("T,N,K,bt,stages", [
+    (128, 128, 256, 128, 4),       # one tile, one super-block (stage ring never refilled)
+    (200, 256, 1024, 128, 4),      # ragged second token tile (BT = 128: 4 stages loaded ahead)
+    (77, 384, 4096, 256, 4),       # ragged single tile of 256 (BT = 256: 2 stages ahead)
+    (300, 128, 2048, 256, 3),
+    (513, 256, 1536, 128, 6),      # 6 super-blocks, 6 buffers
+    (8, 128, 512, 128, 5),         # one token group
+    (700, 384, 1024, None, None),  # the production choice (registry.wgmma_bt)
+])
+def test_wgmma_q6k_vs_oracle(rng, T, N, K, bt, stages):
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.ops.wgmma import wgmma_q6k
+    from engine.gpu.weights import upload_weight
+
+    w = random_blocks(rng, "q6_k", N, K, special=True)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xt = gpu_tile(cp.asarray(x))
+    ys = {}
+    for padded in (True, False):
+        wd = upload_weight(w, "Q6_K", pad_q6k=padded)
+        assert wd.padded == padded
+        y = cp.full((T, N), np.nan, dtype=cp.float32)
+        wgmma_q6k(wd, xt, T, out=y, bt=bt, stages=stages)
+        ys[padded] = cp.asnumpy(y)
+    assert np.array_equal(ys[True].view(np.uint32), ys[False].view(np.uint32)), "raw and padded layouts differ"
+    got = ys[True].astype(np.float64)
+    w16, x16 = dequant_q6_k_f16(w), x.astype(np.float16)
+    ref = wgmma_reference(w16, x16)
+    bound = wgmma_error_bound(K, wgmma_abs(w16, x16))
+    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
+    err = np.abs(got - ref)
+    worst = float(np.max(err / np.maximum(bound, 1e-300)))
+    _report(test="wgmma_q6k", T=T, N=N, K=K, bt=bt, stages=stages, worst_err_over_bound=worst,
+            rel_l2=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+    assert np.all(err <= bound), f"worst |y - ref| / bound = {worst:.3g}"
+
+
+def test_wgmma_q6k_instances_do_not_spill():
+    """The driver's own compile of the production q6_K instances (PTX for compute_90a, JIT):
+    no local memory (register spills); the registers go to GPU_REPORT (ptxas 12.9 on the CPU:
+    187 / 234 padded, 236 / 244 raw, BT = 128 / 256)."""
+    _sm90()
+    from engine.gpu import kernels, registry
+    from engine.gpu.ops.wgmma import Q6_FILE
+
+    for name in registry.INSTANCES[Q6_FILE]:
+        k = kernels.get_kernel(Q6_FILE, name)
+        _report(test="wgmma_q6k_regs", instance=name, num_regs=int(k.num_regs),
+                local_bytes=int(k.local_size_bytes))
+        assert int(k.local_size_bytes) == 0, f"{name}: {k.local_size_bytes} B of local memory (spills)"

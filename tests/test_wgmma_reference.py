@@ -1,6 +1,7 @@
-"""CPU: the oracle of the Hopper f16 GEMM (engine.reference.wgmma) and a lane-by-lane numpy
-replay of wgmma_q4_k.cu's fragment construction (nibble bit tricks, f16x2 FMAs, which register
-of which k16 step each word feeds), so the kernel's k order is checked without a GPU."""
+"""CPU: the oracle of the Hopper f16 GEMMs (engine.reference.wgmma) and lane-by-lane numpy
+replays of wgmma_q4_k.cu's and wgmma_q6_k.cu's fragment construction (bit tricks, f16x2 ops,
+which register of which k16 step each word feeds; for q6_K also the loads of both block layouts
+and the stage ring), so the kernels' k order is checked without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,8 @@ import numpy as np
 from engine.formats import quants as Q
 from engine.reference.mmq import random_blocks
 from engine.reference.wgmma import (
-    dequant_q4_k_f16, k_permutation, permute_x16, tile_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
+    dequant_q4_k_f16, dequant_q6_k_f16, k_permutation, permute_x16, tile_x16, wgmma_abs, wgmma_error_bound,
+    wgmma_reference,
 )
 
 
@@ -113,3 +115,165 @@ def test_oracle_bound_covers_f32_sums():
     ref = wgmma_reference(w16, x16)
     f32 = (x16.astype(np.float32) @ w16.astype(np.float32).T).astype(np.float64)
     assert np.all(np.abs(f32 - ref) <= wgmma_error_bound(2048, wgmma_abs(w16, x16)))
+
+
+# ----------------------------------------------------------------------------- q6_K
+
+def test_dequant_q6_k_f16_is_the_f32_dequant_rounded_closely():
+    """|w16 - w32| <= 2.001 2^-11 |d sc (q - 32)| + 2^-19: the f16 rounding of s = d sc (2^-11
+    relative, or 2^-25 absolute where s is subnormal, times |q - 32| <= 32) and of the product
+    (2^-11 relative, 2^-25 absolute), plus dequantize_q6_k's own f32 rounding of (d sc) q
+    (2^-24). Raw and padded blocks give the same bits."""
+    rng = np.random.default_rng(7)
+    w = random_blocks(rng, "q6_k", 64, 1024, special=True)
+    w16 = dequant_q6_k_f16(w)
+    w16p = dequant_q6_k_f16(Q.repack_q6_k_padded(w), padded=True)
+    assert np.array_equal(w16.view(np.uint16), w16p.view(np.uint16))
+    w32 = Q.dequantize_q6_k(w).astype(np.float64)
+    d, sc, q = Q.q6_k_fields(w)
+    mag = np.abs((d[:, None] * sc.astype(np.float32)).astype(np.float64)[:, :, None]
+                 * q.reshape(-1, 16, 16)).reshape(w16.shape)
+    err = np.abs(w16.astype(np.float64) - w32)
+    assert np.all(err <= 2.001 * 2.0 ** -11 * mag + 2.0 ** -19)
+    assert (d == 0).any() and (np.abs(d) < 2.0 ** -14).any()          # zero and subnormal d covered
+
+
+def _u32(x):
+    return int(x) & 0xFFFFFFFF
+
+
+def _byte_perm(x, y, s):
+    """__byte_perm(x, y, s): result byte i = byte (s >> 4i) & 7 of the 8-byte (y:x)."""
+    src = _u32(x) | (_u32(y) << 32)
+    return sum(((src >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _h2(u, op):
+    """Apply op (float64 -> float64, exact for these operands) to both f16 halves of u and round
+    each result once to f16 (HADD2 / HFMA2 / HMUL2, round to nearest even)."""
+    out = 0
+    for i in (0, 1):
+        h = np.array([(u >> (16 * i)) & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
+        r = np.float16(op(np.float64(h)))
+        out |= int(np.array([r], dtype=np.float16).view(np.uint16)[0]) << (16 * i)
+    return out
+
+
+def _q6_replay(rowb: np.ndarray, padded: bool, g: int, t: int, nsb: int, pf: int):
+    """wgmma_q6_k.cu for lane (g, t) of warp 0 in numpy: the loads of WgQ6K (byte addresses
+    checked for the load width), the scale words, wgmma_gemm's ring of pf stage slots, the bit
+    tricks on uint32 and the f16x2 ops; yields (row, super-block, k16 step, column, f16 bits)."""
+    BB = 224 if padded else 210
+
+    def ld(row, off, nbytes):                          # little-endian load, alignment as the kernel's
+        addr = row * rowb.shape[1] + off                # rows start at the (256-aligned) allocation
+        assert addr % nbytes == 0, (addr, nbytes)
+        return int.from_bytes(rowb[row, off:off + nbytes].tobytes(), "little")
+
+    rows = (g, g + 8)
+
+    def load_sb(sb):                                   # WgQ6K::load
+        out = []
+        for row in rows:
+            b = sb * BB
+            if padded:
+                scw = ld(row, b + 192 + 4 * t, 4)
+            else:
+                scw = _byte_perm(ld(row, b + 192 + 4 * t, 2), ld(row, b + 194 + 4 * t, 2), 0x5410)
+            out.append((scw, ld(row, b + 208, 2)))
+        return out
+
+    def scales(sbv):                                   # WgQ6K::scales: f16x2 (s, s) per row, sub-block 4t + i
+        v = []
+        for scw, dbits in sbv:
+            d = np.float32(np.array([dbits], dtype=np.uint16).view(np.float16)[0])
+            row = []
+            for i in range(4):
+                q = np.int8(np.uint8((scw >> (8 * i)) & 0xFF))
+                hs = int(np.array([np.float16(d * np.float32(q))], dtype=np.float16).view(np.uint16)[0])
+                row.append(hs * 0x10001)
+            v.append(row)
+        return v
+
+    def load_stage(j):                                 # WgQ6K::load_stage -> per row 3 pieces of 2 words
+        off = 64 * (t >> 1) + 8 * (j & 3)
+        st = []
+        for row in rows:
+            b = (j >> 2) * BB
+            pieces = []
+            for src in (b + off, b + off + 32, b + 128 + 32 * (t >> 1) + 8 * (j & 3)):
+                if padded:
+                    v = ld(row, src, 8)
+                    pieces.append((v & 0xFFFFFFFF, v >> 32))
+                else:
+                    h = [ld(row, src + 2 * i, 2) for i in range(4)]
+                    pieces.append((_byte_perm(h[0], h[1], 0x5410), _byte_perm(h[2], h[3], 0x5410)))
+            st.append(pieces)
+        return st
+
+    sl = 4 * (t & 1)
+    sx, su = 4 - sl, (sl - 2) & 31
+    nst = 4 * nsb
+    slots = [load_stage(p) for p in range(pf)]
+    for sb in range(nsb):
+        sc = scales(load_sb(sb))
+        for jj in range(4):
+            j = 4 * sb + jj
+            st = slots[jj % pf]
+            for q in (0, 1):
+                for r in (0, 1):
+                    L, U, H = (st[r][k][q] for k in range(3))
+                    x = _u32(H << sx)
+                    v = ((L >> sl) & 0x0F0F0F0F) | (x & 0x30303030)
+                    rot = _u32((U >> su) | (U << (32 - su)))
+                    v4 = (rot & 0x3C3C3C3C) | (x & 0xC0C0C0C0)
+                    s_lo, s_hi = sc[r][jj >> 1], sc[r][2 + (jj >> 1)]
+                    regs = {}
+                    for reg, src, sel in ((0, v, 0x4240), (2, v, 0x4341)):
+                        p = _h2(_byte_perm(src, 0x64, sel), lambda a: a - 1056.0)
+                        regs[(2 * q, reg)] = _h2mul(p, s_lo)
+                    for reg, src, sel in ((0, v4, 0x4240), (2, v4, 0x4341)):
+                        p = _h2(_byte_perm(src, 0x64, sel), lambda a: a * 0.25 - 288.0)
+                        regs[(2 * q + 1, reg)] = _h2mul(p, s_hi)
+                    for (s_loc, reg), u in regs.items():
+                        for e in (0, 1):   # register reg + r: row g + 8 r, cols 2t + 8 (reg >> 1) + e
+                            yield rows[r], sb, 4 * jj + s_loc, 2 * t + 8 * (reg >> 1) + e, (u >> (16 * e)) & 0xFFFF
+            if j + pf < nst:
+                slots[jj % pf] = load_stage(j + pf)
+
+
+def _h2mul(a, b):
+    """HMUL2 of two f16x2 words: per half f16(a b) (exact in float64, one rounding)."""
+    out = 0
+    for i in (0, 1):
+        x = np.array([(a >> (16 * i)) & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
+        y = np.array([(b >> (16 * i)) & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
+        r = np.float16(np.float64(x) * np.float64(y))
+        out |= int(np.array([r], dtype=np.float16).view(np.uint16)[0]) << (16 * i)
+    return out
+
+
+def test_q6_k_kernel_fragments_replayed_match_the_oracle():
+    """Replay, for every lane (g, t) of one warp, wgmma_q6_k.cu's loads (both layouts), stage
+    ring (PF = 1, 2, 4, across super-block boundaries), six-bit assembly and f16x2 ops, and place
+    each register half at its wgmma A position (row, k16 step, column): the result must be
+    dequant_q6_k_f16 in the permuted order, bit for bit (signed zeros included)."""
+    rng = np.random.default_rng(13)
+    nsb = 3
+    w = random_blocks(rng, "q6_k", 16, 256 * nsb, special=True)
+    w[0, 192:208] = np.array([-128, 127, 0, -1, 1, 64, -64, 5, 9, -9, 100, -100, 3, -3, 7, -7],
+                             np.int8).view(np.uint8)     # extreme scales
+    w[1, :192] = 0xFF                                  # q = 63 everywhere; w[2]: q = 0 (-32)
+    w[2, :192] = 0x00
+    P = np.concatenate([256 * b + k_permutation() for b in range(nsb)])
+    want = dequant_q6_k_f16(w)[:, P].view(np.uint16)
+    for padded, pf in ((True, 4), (True, 2), (False, 2), (False, 1), (True, 1)):
+        rowb = Q.repack_q6_k_padded(w) if padded else w
+        got = np.full((16, 256 * nsb), -1, dtype=np.int64)
+        for g in range(8):
+            for t in range(4):
+                for row, sb, step, col, bits in _q6_replay(rowb, padded, g, t, nsb, pf):
+                    assert got[row, 256 * sb + 16 * step + col] == -1
+                    got[row, 256 * sb + 16 * step + col] = bits
+        assert (got >= 0).all(), (padded, pf)
+        assert np.array_equal(got.astype(np.uint16), want), (padded, pf)

@@ -28,9 +28,15 @@ at positions start.. (x: [T, d] float32 residual stream, A: q8_1 activations):
         y = A . Wd^T                                   mmq
     logits = q8_1(rmsnorm(x += y) * output_norm) . Wout^T   last row only, or all rows
 
-Numerics: weights are the GGUF blocks (no dequantized copies); every GEMM input is q8_1
-(int8 + per-32 scale, like llama.cpp's MMQ); Q, K, V and P are f16 in attention with f32
-accumulation and an f32 online softmax; everything else is float32. The KV cache is f16
+Hopper (sm_90) ubatches of T >= wgmma_min_tokens run the layers' q4_K and q6_K GEMMs on wgmma
+instead (engine/gpu/ops/wgmma.py: weights dequantized to f16 in registers, f32 accumulation): their
+input is the same float32 activation rounded to f16 in a tiled layout, written by the producers
+(rmsnorm.cu add_rmsnorm_x16, swiglu.cu swiglu_x16; the attention output through float32 and
+wgmma_act.cu); a producer whose consumers mix both paths writes both forms.
+
+Numerics: weights are the GGUF blocks (no dequantized copies); every MMQ GEMM input is q8_1
+(int8 + per-32 scale, like llama.cpp's MMQ), every wgmma GEMM input f16; Q, K, V and P are f16
+in attention with f32 accumulation and an f32 online softmax; everything else is float32. The KV cache is f16
 [n_layers, n_kv_heads, max_tokens, head_dim] (engine/gpu/kv_cache.py).
 
 Weights: each fused group (_Seg) is one device matrix; `_Layer.roles` holds per-role views
@@ -58,6 +64,19 @@ from engine.gpu.prefill_graph import cache_graph, graph_tokens
 from engine.gpu.profiler import OpTimer
 
 DEFAULT_UBATCH = 4096
+
+
+def wgmma_default_min_tokens() -> int | None:
+    """The token count from which q4_K GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS on
+    an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0."""
+    import os
+
+    from engine.gpu import registry
+
+    if os.environ.get("GGUF_PREFILL_WGMMA", "1") == "0":
+        return None
+    cc = getattr(_cp().cuda.Device(), "compute_capability", "")
+    return registry.WGMMA_MIN_TOKENS if cc == "90" else None
 _NULL = nullcontext()
 
 
@@ -209,6 +228,8 @@ class GPUModel:
         self._rope_cos = self._rope_sin = None
         self._timer: OpTimer | None = None
         self._sessions = None     # engine.gpu.session.SessionPool, made on the first session()
+        self.wgmma_min_tokens = wgmma_default_min_tokens()
+        self.wgmma_kinds = frozenset({"q4_k", "q6_k"})
         if progress:
             print(f"\rloaded {model.path} to the GPU in {self.load_seconds:.1f} s: "
                   f"{self.resident_bytes / 2**30:.3f} GiB resident "
@@ -310,11 +331,38 @@ class GPUModel:
         cos, sin = rope_tables(self.config, np.arange(n_new))
         self._rope_cos, self._rope_sin = cp.asarray(cos), cp.asarray(sin)
 
-    def _gemm(self, w, act, out=None):
+    def _on_wgmma(self, w, T: int) -> bool:
+        """Whether this ubatch's GEMM of w runs on the Hopper path (module docstring)."""
+        from engine.gpu.ops.wgmma import ROWS
+
+        return (self.wgmma_min_tokens is not None and T >= self.wgmma_min_tokens and w.kind in self.wgmma_kinds
+                and w.rows % ROWS == 0)
+
+    def _gemm(self, w, act, out, xt=None):
+        """out[T, w.rows] = act . w^T: q8_1 `act` through MMQ, or the tiled f16 `xt` through wgmma."""
         from engine.gpu.ops.mmq import mmq
+        from engine.gpu.ops.wgmma import wgmma
 
         with self._span("gemm_" + w.kind):
+            if xt is not None and self._on_wgmma(w, int(out.shape[0])):
+                return wgmma(w, xt, int(out.shape[0]), out=out)
             return mmq(w, act, out=out)
+
+    def _norm(self, x, y, norm_w, act, bufs, weights):
+        """add_rmsnorm into what the GEMMs of `weights` read: q8_1 `act`, the tiled f16 operand
+        (returned), or both (the add done once); None when no GEMM takes the Hopper path."""
+        eps = self.config.rms_eps
+        on = [self._on_wgmma(w, bufs.T) for w in weights]
+        xt = None
+        if any(on):
+            xt = bufs.xt(int(x.shape[1]))
+            with self._span("rmsnorm_x16"):
+                ops.norm.add_rmsnorm_x16(x, y, norm_w, eps, xt)
+            y = None
+        if not all(on):
+            with self._span("rmsnorm_q8"):
+                ops.norm.add_rmsnorm_q8_1(x, y, norm_w, eps, act)
+        return xt
 
     def _ubatch(self, ids_dev, start: int, cache: GPUKVCache, all_rows: bool):
         """One ubatch, eager: its logits (all rows, or the last)."""
@@ -337,6 +385,7 @@ class GPUModel:
         H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         eps = cfg.rms_eps
         x, y, a_d, a_q, a_f, qh = bufs.x, bufs.y, bufs.a_d, bufs.a_q, bufs.a_f, bufs.qh
+        T = bufs.T
         cos, sin = self._rope_cos, self._rope_sin
         neox = cfg.rope_type == "neox"
         role_cols = {"attn_q": qd, "attn_k": kvd, "attn_v": kvd, "ffn_gate": ff, "ffn_up": ff}
@@ -344,31 +393,42 @@ class GPUModel:
         with self._span("embed"):
             ops.embed.embed(self.embed_w, ids_dev, x)
         for i, L in enumerate(self.layers):
-            with self._span("rmsnorm_q8"):
-                ops.norm.add_rmsnorm_q8_1(x, y if i else None, L.attn_norm, eps, a_d)
-            views = self._seg_views(L.qkv, a_d, role_cols, bufs)
+            xt = self._norm(x, y if i else None, L.attn_norm, a_d, bufs, [s.w for s in L.qkv])
+            views = self._seg_views(L.qkv, a_d, role_cols, bufs, xt)
             (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
             with self._span("rope_kv"):
                 ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
                                   cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd, start_dev,
                                   rows=None if varlen is None else varlen[:2])
+            wo_x16 = self._on_wgmma(L.wo, T)
+            out = dict(out_f32=bufs.attn_f32()) if wo_x16 else dict(out_act=a_q)
             with self._span("attention"):
                 if varlen is None:
-                    ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start, out_act=a_q,
-                                                    start_dev=start_dev)
+                    ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start,
+                                                    start_dev=start_dev, **out)
                 else:
-                    ops.attention.attention_varlen(qh, cache.k_layer(i), cache.v_layer(i), varlen[2], out_act=a_q,
-                                                   decode=varlen[3])
-            self._gemm(L.wo, a_q, out=y)
-            with self._span("rmsnorm_q8"):
-                ops.norm.add_rmsnorm_q8_1(x, y, L.ffn_norm, eps, a_d)
-            views = self._seg_views(L.gate_up, a_d, role_cols, bufs)
+                    ops.attention.attention_varlen(qh, cache.k_layer(i), cache.v_layer(i), varlen[2],
+                                                   decode=varlen[3], **out)
+            xt = None
+            if wo_x16:
+                xt = bufs.xt(qd)
+                with self._span("tile_x16"):
+                    ops.wgmma.tile_x16(out["out_f32"], out=xt)
+            self._gemm(L.wo, a_q, out=y, xt=xt)
+            xt = self._norm(x, y, L.ffn_norm, a_d, bufs, [s.w for s in L.gate_up])
+            views = self._seg_views(L.gate_up, a_d, role_cols, bufs, xt)
             (gv, ldg), (uv, ldu) = views["ffn_gate"], views["ffn_up"]
             if ldg != ldu:      # gate and up in separate buffers of one shape: ld == ff for both
                 raise AssertionError("gate/up row strides differ")
-            with self._span("swiglu_q8"):
-                ops.activation.swiglu_q8_1(gv, uv, ldg, ff, a_f)
-            self._gemm(L.down, a_f, out=y)
+            xt = None
+            if self._on_wgmma(L.down, T):
+                xt = bufs.xt(ff)
+                with self._span("swiglu_x16"):
+                    ops.activation.swiglu_x16(gv, uv, ldg, ff, xt, T)
+            else:
+                with self._span("swiglu_q8"):
+                    ops.activation.swiglu_q8_1(gv, uv, ldg, ff, a_f)
+            self._gemm(L.down, a_f, out=y, xt=xt)
 
     def run_head(self, bufs, n: int, all_rows: bool):
         """Logits after run_layers: float32 [n, vocab] for rows 0..n-1 of bufs, or [1, vocab] for
@@ -386,11 +446,12 @@ class GPUModel:
         with self._span("gemm_output_" + self.output_w.kind):
             return mmq(self.output_w, a_o)
 
-    def _seg_views(self, segs: list[_Seg], a, role_cols: dict[str, int], bufs):
-        """Run the GEMMs of a fused group; role -> (float32 view [T, cols], row stride)."""
+    def _seg_views(self, segs: list[_Seg], a, role_cols: dict[str, int], bufs, xt=None):
+        """Run the GEMMs of a fused group (q8_1 `a`, or the tiled f16 `xt` where _on_wgmma);
+        role -> (float32 view [T, cols], row stride)."""
         out = {}
         for s in segs:
-            y = self._gemm(s.w, a, out=bufs.gemm_out(s.w.rows))
+            y = self._gemm(s.w, a, out=bufs.gemm_out(s.w.rows), xt=xt)
             ld = int(y.shape[1])
             c = 0
             for r in s.roles:

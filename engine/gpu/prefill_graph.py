@@ -40,7 +40,9 @@ def _cp():
 class UbatchBuffers:
     """The work buffers of one ubatch of T tokens: x, y float32 [T, d] (residual stream and the
     last GEMM's output), q8_1 activations a_d [T, d], a_q [T, q_dim], a_f [T, d_ff], rotated
-    queries qh f16 [H, T, hd], and one output [T, rows] per fused-GEMM row count (gemm_out)."""
+    queries qh f16 [H, T, hd], and one output [T, rows] per fused-GEMM row count (gemm_out);
+    for the Hopper GEMMs (made on first use, i.e. in the eager run before a capture) one tiled
+    f16 operand per K (xt) and the float32 attention output (attn_f32)."""
 
     def __init__(self, model, T: int):
         cp = _cp()
@@ -58,12 +60,31 @@ class UbatchBuffers:
         self.a_d, self.a_q, self.a_f = act(cfg.d_model), act(cfg.q_dim), act(cfg.d_ff)
         self.qh = cp.empty((cfg.n_heads, T, cfg.head_dim), dtype=cp.float16)
         self._gemm = {}
+        self._xt = {}
+        self._attn_f32 = None
+        self._q_dim = cfg.q_dim
 
     def gemm_out(self, rows: int):
         out = self._gemm.get(rows)
         if out is None:
             out = self._gemm[rows] = _cp().empty((self.T, rows), dtype=_cp().float32)
         return out
+
+    def xt(self, K: int):
+        """The tiled f16 GEMM operand for K columns (engine.gpu.ops.wgmma.tiled_buffer: zero
+        past T, which no producer writes). Producers of one K share it: each is read by its
+        GEMMs before the next producer of that K runs, in stream order."""
+        from engine.gpu.ops.wgmma import tiled_buffer
+
+        out = self._xt.get(K)
+        if out is None:
+            out = self._xt[K] = tiled_buffer(self.T, K)
+        return out
+
+    def attn_f32(self):
+        if self._attn_f32 is None:
+            self._attn_f32 = _cp().empty((self.T, self._q_dim), dtype=_cp().float32)
+        return self._attn_f32
 
 
 class PrefillGraph:

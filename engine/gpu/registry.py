@@ -188,6 +188,9 @@ def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
 # 256-token tiles to keep the tail short (H100 hopper_bench, perf-log Session 12: 256 wins at
 # T = 3314 on every 7B shape and at T = 512 only on 22016 rows).
 WGMMA_BTS = (128, 256)
+# Ubatches of at least this many tokens run their q4_K GEMMs on wgmma (engine.gpu.model): from
+# hopper_bench, wgmma beats the MMQ at T = 512 by 2.3x on every 7B shape (perf-log Session 12).
+WGMMA_MIN_TOKENS = 256
 WGMMA_STAGES = 4
 WGMMA_WAVE_SMS = 132
 
@@ -201,6 +204,14 @@ def wgmma_instance(bt: int, stages: int = WGMMA_STAGES) -> str:
     if bt not in WGMMA_BTS or not 3 <= stages <= 8:
         raise ValueError(f"wgmma_q4_k: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
     return f"wgmma_q4_k<{bt}, {stages}>"
+
+
+def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES) -> str:
+    """kernels_cu/wgmma_q6_k.cu: PADDED selects the 224-byte (8-byte loads) or the raw 210-byte
+    block layout (2-byte loads), bit-identical results."""
+    if bt not in WGMMA_BTS or not 3 <= stages <= 8:
+        raise ValueError(f"wgmma_q6_k: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
+    return f"wgmma_q6_k<{'true' if padded else 'false'}, {bt}, {stages}>"
 
 
 # ----------------------------------------------------------------------------- decode
@@ -262,17 +273,18 @@ def attn_prefill_varlen_name(head_dim: int, q8: bool) -> str:
 INSTANCES: dict[str, tuple[str, ...]] = {
     # prefill
     "embed.cu": ("embed_q4_k", "embed_q6_k"),
-    "rmsnorm.cu": ("add_rmsnorm_q8_1",),
+    "rmsnorm.cu": ("add_rmsnorm_q8_1", "add_rmsnorm_x16"),
     "rope.cu": ("qkv_rope",),
     "attention_prefill.cu": tuple(attn_prefill_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True))
     + tuple(attn_prefill_varlen_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
-    "swiglu.cu": ("swiglu_q8_1",),
+    "swiglu.cu": ("swiglu_q8_1", "swiglu_x16"),
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
     "wgmma_q4_k.cu": tuple(wgmma_instance(bt) for bt in WGMMA_BTS),
+    "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt) for p in (True, False) for bt in WGMMA_BTS),
     "wgmma_act.cu": ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",

@@ -1,5 +1,6 @@
 """What the GPU prefill kernels compute, with their numerics, in numpy: q8_1 activations into every
-GEMM, f16 Q/K/V and P in attention, float32 elsewhere. One function per op, named after the op
+MMQ GEMM, f16 activations and f16-rounded weights into the Hopper (wgmma) GEMMs, f16 Q/K/V and P
+in attention, float32 elsewhere. One function per op, named after the op
 (its launcher is engine/gpu/ops/<family>.py, its kernel kernels_cu/<op>.cu); each returns arrays,
 the caller places them in device buffers (tests/gpu_emulation.py runs GPUModel on these).
 
@@ -14,10 +15,11 @@ import math
 import numpy as np
 
 from engine.formats import quants
+from engine.reference import wgmma as wgmma_ref
 from engine.reference.ops import apply_rope, rms_norm, silu
 
-__all__ = ["embed", "rmsnorm_q8_1", "qkv_rope_f16", "attention_f16", "swiglu_q8_1", "mmq_q8_1",
-           "dequantize_weight"]
+__all__ = ["embed", "rmsnorm_q8_1", "rmsnorm_x16", "qkv_rope_f16", "attention_f16", "swiglu_q8_1", "swiglu_x16",
+           "mmq_q8_1", "wgmma_f16", "untile_x16", "dequantize_weight"]
 
 
 def dequantize_weight(rows: np.ndarray, kind: str, padded: bool = False) -> np.ndarray:
@@ -39,6 +41,14 @@ def rmsnorm_q8_1(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None 
         x = x + y
     h = rms_norm(x, w, eps)
     return x, h, quants.quantize_q8_1(np.ascontiguousarray(h, dtype=np.float32))
+
+
+def rmsnorm_x16(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None = None):
+    """rmsnorm_q8_1's (x', h) and h in the Hopper GEMMs' tiled f16 operand (engine.reference.wgmma.tile_x16)."""
+    if y is not None:
+        x = x + y
+    h = rms_norm(x, w, eps)
+    return x, h, wgmma_ref.tile_x16(h)
 
 
 def qkv_rope_f16(q, k, v, bq, bk, bv, cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, neox: bool):
@@ -83,6 +93,29 @@ def attention_f16(qh: np.ndarray, kc: np.ndarray, vc: np.ndarray, start: int) ->
 def swiglu_q8_1(g: np.ndarray, u: np.ndarray):
     """q8_1(silu(g) * u) = (q, d, s)."""
     return quants.quantize_q8_1(np.ascontiguousarray(silu(g) * u, dtype=np.float32))
+
+
+def swiglu_x16(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u in the Hopper GEMMs' tiled f16 operand."""
+    return wgmma_ref.tile_x16(np.ascontiguousarray(silu(g) * u, dtype=np.float32))
+
+
+def untile_x16(xt: np.ndarray, T: int) -> np.ndarray:
+    """The tiled operand [K/64, ceil(T/8), 8, 8, 8] -> float16 [T, K] in the natural k order."""
+    kb, ng = xt.shape[:2]
+    K = kb * 64
+    xp = np.asarray(xt).transpose(1, 3, 0, 2, 4).reshape(ng * 8, K)[:T]
+    inv = np.argsort(wgmma_ref.k_permutation())
+    return np.ascontiguousarray(xp.reshape(T, K // 256, 256)[:, :, inv].reshape(T, K))
+
+
+def wgmma_f16(w_rows: np.ndarray, kind: str, x16: np.ndarray, padded: bool = False) -> np.ndarray:
+    """y = f32(x16 @ w16.T) in float64: the Hopper GEMM on its own operands (f16 activations, the
+    weights dequantized to f16 as the kernel does; engine.reference.wgmma has its bound)."""
+    if kind not in ("q4_k", "q6_k"):
+        raise ValueError(f"wgmma_f16: no Hopper GEMM for {kind}")
+    w16 = wgmma_ref.dequant_q4_k_f16(w_rows) if kind == "q4_k" else wgmma_ref.dequant_q6_k_f16(w_rows, padded)
+    return (np.asarray(x16, np.float64) @ w16.astype(np.float64).T).astype(np.float32)
 
 
 def mmq_q8_1(w_rows: np.ndarray, kind: str, q: np.ndarray, d: np.ndarray, padded: bool = False) -> np.ndarray:

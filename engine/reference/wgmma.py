@@ -1,11 +1,12 @@
-"""Oracle of the Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu, issue 14 route (b)): q4_K weights
-dequantized to f16 exactly as the kernel does, activations rounded to f16 and stored in a
+"""Oracle of the Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu, issue 14 route (b)):
+q4_K / q6_K weights dequantized to f16 exactly as the kernels do, activations rounded to f16 and stored in a
 permuted k order, products summed in float64.
 
     k_permutation() -> int [256]: P, with Xp[t, 256 b + L] = x[t, 256 b + P[L]]
     permute_x16(x) -> float16 [T, K]: the activations rounded to f16 in the kernel's k order
     tile_x16(x) -> float16 [K/64, ceil(T/8), 8, 8, 8]: the same, tiled as the kernel reads it
     dequant_q4_k_f16(blocks) -> float16 [N, K]: w = f16(q f16(d sc) - f16(dmin m)), one rounding
+    dequant_q6_k_f16(blocks, padded) -> float16 [N, K]: w = f16((q - 32) f16(d sc)), one rounding
     wgmma_reference(w16, x16) -> float64 [T, N]; wgmma_abs(w16, x16) -> sum of |x||w|
     wgmma_error_bound(K, S) -> per-element bound on |y - ref|
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.formats.quants import QK_K, q4_k_fields
+from engine.formats.quants import QK_K, q4_k_fields, q6_k_fields
 
 
 def k_permutation() -> np.ndarray:
@@ -63,6 +64,20 @@ def dequant_q4_k_f16(blocks: np.ndarray) -> np.ndarray:
     m16 = (dmin[:, None] * m.astype(np.float32)).astype(np.float16).astype(np.float64)
     w = q.astype(np.float64) * s16[:, :, None] - m16[:, :, None]
     return w.astype(np.float16).reshape(N, -1)
+
+
+def dequant_q6_k_f16(blocks: np.ndarray, padded: bool = False) -> np.ndarray:
+    """q6_K rows uint8 [N, K/256*210] (or [N, K/256*224] with padded=True) -> float16 [N, K] in
+    the natural k order, as wgmma_q6_k.cu computes them: s = f16(d sc) (the exact f32 product
+    rounded once), then w = f16((q - 32) s) with a single rounding (HMUL2 of the exact f16
+    q - 32; exact here in float64 before the rounding, signed zeros included)."""
+    blocks = np.asarray(blocks, dtype=np.uint8)
+    N = blocks.shape[0]
+    d, sc, q = q6_k_fields(blocks, padded=padded)                   # q: int8, already q - 32
+    with np.errstate(over="ignore", invalid="ignore"):             # as cvt.rn.f16.f32 / HMUL2: inf, NaN
+        s16 = (d[:, None] * sc.astype(np.float32)).astype(np.float16).astype(np.float64)
+        w = q.reshape(-1, 16, 16).astype(np.float64) * s16[:, :, None]
+        return w.astype(np.float16).reshape(N, -1)
 
 
 def wgmma_reference(w16: np.ndarray, x16: np.ndarray) -> np.ndarray:

@@ -43,6 +43,9 @@ CATEGORIES = {
     "attention": "attention",
     "rmsnorm_q8": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
     "swiglu_q8": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
+    "rmsnorm_x16": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
+    "swiglu_x16": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
+    "tile_x16": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
     "rope_kv": "norms/rope/rest",
     "embed": "norms/rope/rest",
 }

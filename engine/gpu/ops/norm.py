@@ -1,4 +1,5 @@
-"""Fused residual add + RMSNorm + q8_1 (rmsnorm.cu): x += y; act = q8_1(rmsnorm(x) * w).
+"""Fused residual add + RMSNorm + q8_1 (rmsnorm.cu): x += y; act = q8_1(rmsnorm(x) * w), or the
+same rows as f16 in the Hopper GEMMs' tiled operand (add_rmsnorm_x16).
 
 The decode step's row norm (decode_fused.cu rmsnorm_q8) is launched by engine.gpu.decode; a
 batched step's head first gathers its wanted rows with the add done (gather_rows.cu)."""
@@ -30,6 +31,26 @@ def add_rmsnorm_q8_1(x, y, w, eps: float, act, hout=None) -> None:
         return
     k = kernels.get_kernel("rmsnorm.cu", "add_rmsnorm_q8_1")
     k((R,), (256,), (x, ptr(y), w, act.q, act.ds, ptr(hout), np.int32(K), np.float32(eps)))
+
+
+def add_rmsnorm_x16(x, y, w, eps: float, xt) -> None:
+    """add_rmsnorm_q8_1 with the normed rows h written as f16 into xt, the Hopper GEMMs' tiled
+    operand float16 [K/64, ceil(R/8), 8, 8, 8] (engine.gpu.ops.wgmma.tiled_shape); the rows past R
+    of xt are left as they are (zero from engine.gpu.ops.wgmma.tiled_buffer)."""
+    from engine.gpu.ops.wgmma import tiled_shape
+
+    R, K = map(int, x.shape)
+    if K % 256 or K > RMSNORM_MAX_K:
+        raise ValueError(f"add_rmsnorm_x16: K={K} must be a multiple of 256 and <= {RMSNORM_MAX_K}")
+    contig(x, np.float32, (R, K), "rmsnorm x")
+    if y is not None:
+        contig(y, np.float32, (R, K), "rmsnorm y")
+    contig(w, np.float32, (K,), "rmsnorm w")
+    contig(xt, np.float16, tiled_shape(R, K), "rmsnorm xt")
+    if R == 0:
+        return
+    k = kernels.get_kernel("rmsnorm.cu", "add_rmsnorm_x16")
+    k((R,), (256,), (x, ptr(y), w, xt, np.int32(K), np.float32(eps)))
 
 
 def gather_add_rows(x, y, sel, out) -> None:

@@ -1,22 +1,26 @@
-"""Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu, sm_90a; issue 14): y[T, N] = W x with q4_K weights
-dequantized to f16 in registers and f16 activations in the kernel's tiled, permuted layout; on
-the current stream, no sync.
+"""Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu, sm_90a; issue 14): y[T, N] = W x
+with q4_K / q6_K weights dequantized to f16 in registers and f16 activations in the kernels'
+tiled, permuted layout (one operand for both formats); on the current stream, no sync.
 
     xt = tile_x16(x)                                  # float32 [T, K] -> float16 [K/64, ceil(T/8), 8, 8, 8]
     y = wgmma_q4k(weight, xt, T, out, bt, stages)     # DeviceWeight q4_K [N, K] -> float32 [T, N]
+    y = wgmma_q6k(weight, xt, T, out, bt, stages)     # DeviceWeight q6_K (padded or raw), same xt
 
 Grid: (ceil(T / bt) token tiles, N / 128 row tiles), 256 threads (two warpgroups of 64 rows),
 `stages` activation buffers of bt x 64 f16 (and their mbarriers) in dynamic shared memory.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from engine.gpu import kernels, registry
 from engine.gpu.ops._util import check_dev
-from engine.gpu.weights import GGML_Q4_K, DeviceWeight
+from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
 FILE = "wgmma_q4_k.cu"
+Q6_FILE = "wgmma_q6_k.cu"
 ACT_FILE = "wgmma_act.cu"
 ROWS = 128            # WG_ROWS
 THREADS = 256         # WG_THREADS
@@ -29,6 +33,13 @@ def smem_bytes(bt: int, stages: int) -> int:
 
 def tiled_shape(T: int, K: int) -> tuple[int, int, int, int, int]:
     return (K // BK, -(-T // 8), 8, 8, 8)
+
+
+def tiled_buffer(T: int, K: int):
+    """A zeroed tiled operand for T tokens (the producers write tokens < T only)."""
+    import cupy as cp
+
+    return cp.zeros(tiled_shape(T, K), dtype=cp.float16)
 
 
 def tile_x16(x, out=None):
@@ -49,26 +60,51 @@ def tile_x16(x, out=None):
     return out
 
 
-def wgmma_q4k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None):
-    """y[T, N] (float32) = x . W^T for a q4_K DeviceWeight and xt = tile_x16(x); bt by default
-    from registry.wgmma_bt."""
+def _launch(op: str, fname: str, instance: Callable[[int, int], str], weight: DeviceWeight, xt, T: int, out,
+            bt: int | None, stages: int | None):
+    """The shared checks and launch of the wgmma GEMMs: `instance` is a function (bt, stages) ->
+    the template instance of kernels_cu/<fname>."""
     import cupy as cp
 
-    if weight.ggml_type != GGML_Q4_K:
-        raise ValueError(f"wgmma_q4k: weight type {weight.type_name} is not q4_K")
     N, K = weight.rows, weight.cols
     if N % ROWS:
-        raise ValueError(f"wgmma_q4k: {N} rows is not a multiple of {ROWS}")
-    check_dev(xt, np.float16, tiled_shape(T, K), "wgmma_q4k activations")
+        raise ValueError(f"{op}: {N} rows is not a multiple of {ROWS}")
+    check_dev(xt, np.float16, tiled_shape(T, K), f"{op} activations")
     if out is None:
         out = cp.empty((T, N), dtype=cp.float32)
-    check_dev(out, np.float32, (T, N), "wgmma_q4k out")
+    check_dev(out, np.float32, (T, N), f"{op} out")
     if T == 0:
         return out
     bt = bt or registry.wgmma_bt(T, N)
     stages = stages or registry.WGMMA_STAGES
     smem = smem_bytes(bt, stages)
-    k = kernels.get_kernel(FILE, registry.wgmma_instance(bt, stages), dynamic_smem=smem)
+    k = kernels.get_kernel(fname, instance(bt, stages), dynamic_smem=smem)
     k((-(-T // bt), N // ROWS), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
       shared_mem=smem)
     return out
+
+
+def wgmma_q4k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None):
+    """y[T, N] (float32) = x . W^T for a q4_K DeviceWeight and xt = tile_x16(x); bt by default
+    from registry.wgmma_bt."""
+    if weight.ggml_type != GGML_Q4_K:
+        raise ValueError(f"wgmma_q4k: weight type {weight.type_name} is not q4_K")
+    return _launch("wgmma_q4k", FILE, registry.wgmma_instance, weight, xt, T, out, bt, stages)
+
+
+def wgmma_q6k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None):
+    """y[T, N] (float32) = x . W^T for a q6_K DeviceWeight (padded 224-byte or raw 210-byte
+    blocks, weight.padded; the same result bit for bit) and xt = tile_x16(x), the operand the
+    q4_K GEMM reads; bt by default from registry.wgmma_bt."""
+    if weight.ggml_type != GGML_Q6_K:
+        raise ValueError(f"wgmma_q6k: weight type {weight.type_name} is not q6_K")
+    return _launch("wgmma_q6k", Q6_FILE, lambda bt, st: registry.wgmma_q6_instance(weight.padded, bt, st),
+                   weight, xt, T, out, bt, stages)
+
+
+def wgmma(weight: DeviceWeight, xt, T: int, out=None):
+    """The Hopper GEMM of the weight's type (q4_K or q6_K), production tile choice."""
+    fn = {GGML_Q4_K: wgmma_q4k, GGML_Q6_K: wgmma_q6k}.get(weight.ggml_type)
+    if fn is None:
+        raise ValueError(f"wgmma: no Hopper GEMM for {weight.type_name}")
+    return fn(weight, xt, T, out=out)
