@@ -193,16 +193,22 @@ step_hopper() {
   return "${PIPESTATUS[0]}"
 }
 
-# The Hopper route in the whole model (issue 14): `bench` on the synthetic llama2-7b with the
-# q4_K GEMMs on MMQ (GGUF_PREFILL_WGMMA=0) and on wgmma, same call, per-op breakdown.
+# The Hopper route in the whole model (issue 14): `bench` on synthetic models (HOPPER_PP_SHAPES,
+# default llama2-7b; HOPPER_PP token counts, HOPPER_PP_REST those of the shapes after the first) with the GEMMs on MMQ (GGUF_PREFILL_WGMMA=0) and on wgmma, same call, with the
+# per-op breakdown.
 step_hopper_pp() {
-  local m=/tmp/l7b.gguf rc=0 mode
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
-  for mode in 0 1; do
-    GGUF_PREFILL_WGMMA=$mode timeout 300 python3 -m engine bench --model "$m" --device gpu -p "${HOPPER_PP:-512,3314}" \
-        -r "${HOPPER_REPS:-5}" --breakdown --json > "$OUT/hopper_pp_$mode.json" 2> "$OUT/hopper_pp_$mode.err" || rc=1
-    echo "--- GGUF_PREFILL_WGMMA=$mode"
-    tr '\r' '\n' < "$OUT/hopper_pp_$mode.err" | grep -v '^$' | grep -v "^loading" | tail -"${HOPPER_LINES:-30}"
+  local shape m rc=0 mode pp="${HOPPER_PP:-512,3314}"
+  for shape in ${HOPPER_PP_SHAPES:-llama2-7b}; do
+    m=/tmp/$shape.gguf
+    [ "$shape" = llama2-7b ] && m=/tmp/l7b.gguf
+    [ -f "$m" ] || timeout 120 python3 -m engine synth --shape "$shape" --random-blocks "$m" || return 1
+    for mode in 0 1; do
+      GGUF_PREFILL_WGMMA=$mode timeout 300 python3 -m engine bench --model "$m" --device gpu -p "$pp" \
+          -r "${HOPPER_REPS:-5}" --breakdown --json > "$OUT/hopper_pp_${shape}_$mode.json" 2> "$OUT/hopper_pp_${shape}_$mode.err" || rc=1
+      echo "--- $shape GGUF_PREFILL_WGMMA=$mode"
+      tr '\r' '\n' < "$OUT/hopper_pp_${shape}_$mode.err" | grep -v '^$' | grep -v "^loading" | tail -"${HOPPER_LINES:-30}"
+    done
+    pp="${HOPPER_PP_REST:-$pp}"              # token counts for the shapes after the first
   done
   return $rc
 }

@@ -80,14 +80,19 @@ def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages):
     xt = gpu_tile(cp.asarray(x))
     y = cp.full((T, N), np.nan, dtype=cp.float32)
     wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=stages)
-    got = cp.asnumpy(y).astype(np.float64)
-    w16, x16 = dequant_q4_k_f16(w), x.astype(np.float16)
+    _check_vs_oracle("wgmma_q4k", cp.asnumpy(y), dequant_q4_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages)
+
+
+def _check_vs_oracle(test: str, y, w16, x, **case):
+    """Every output within wgmma_error_bound of the float64 oracle on the kernel's operands."""
+    got = np.asarray(y).astype(np.float64)
+    x16 = x.astype(np.float16)
     ref = wgmma_reference(w16, x16)
-    bound = wgmma_error_bound(K, wgmma_abs(w16, x16))
+    bound = wgmma_error_bound(x.shape[1], wgmma_abs(w16, x16))
     assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
     err = np.abs(got - ref)
     worst = float(np.max(err / np.maximum(bound, 1e-300)))
-    _report(test="wgmma_q4k", T=T, N=N, K=K, bt=bt, stages=stages, worst_err_over_bound=worst,
+    _report(test=test, **case, worst_err_over_bound=worst,
             rel_l2=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
     assert np.all(err <= bound), f"worst |y - ref| / bound = {worst:.3g}"
 
@@ -120,16 +125,7 @@ def test_wgmma_q6k_vs_oracle(rng, T, N, K, bt, stages):
         wgmma_q6k(wd, xt, T, out=y, bt=bt, stages=stages)
         ys[padded] = cp.asnumpy(y)
     assert np.array_equal(ys[True].view(np.uint32), ys[False].view(np.uint32)), "raw and padded layouts differ"
-    got = ys[True].astype(np.float64)
-    w16, x16 = dequant_q6_k_f16(w), x.astype(np.float16)
-    ref = wgmma_reference(w16, x16)
-    bound = wgmma_error_bound(K, wgmma_abs(w16, x16))
-    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
-    err = np.abs(got - ref)
-    worst = float(np.max(err / np.maximum(bound, 1e-300)))
-    _report(test="wgmma_q6k", T=T, N=N, K=K, bt=bt, stages=stages, worst_err_over_bound=worst,
-            rel_l2=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
-    assert np.all(err <= bound), f"worst |y - ref| / bound = {worst:.3g}"
+    _check_vs_oracle("wgmma_q6k", ys[True], dequant_q6_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages)
 
 
 def test_wgmma_q6k_instances_do_not_spill():

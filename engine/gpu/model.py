@@ -36,8 +36,8 @@ wgmma_act.cu); a producer whose consumers mix both paths writes both forms.
 
 Numerics: weights are the GGUF blocks (no dequantized copies); every MMQ GEMM input is q8_1
 (int8 + per-32 scale, like llama.cpp's MMQ), every wgmma GEMM input f16; Q, K, V and P are f16
-in attention with f32 accumulation and an f32 online softmax; everything else is float32. The KV cache is f16
-[n_layers, n_kv_heads, max_tokens, head_dim] (engine/gpu/kv_cache.py).
+in attention with f32 accumulation and an f32 online softmax; everything else is float32. The
+KV cache is f16 [n_layers, n_kv_heads, max_tokens, head_dim] (engine/gpu/kv_cache.py).
 
 Weights: each fused group (_Seg) is one device matrix; `_Layer.roles` holds per-role views
 into them (no copies) for the decode GEMVs, and the q/k/v biases are one array
@@ -67,8 +67,8 @@ DEFAULT_UBATCH = 4096
 
 
 def wgmma_default_min_tokens() -> int | None:
-    """The token count from which q4_K GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS on
-    an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0."""
+    """The ubatch size from which the layer GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS
+    on an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0."""
     import os
 
     from engine.gpu import registry
@@ -77,6 +77,8 @@ def wgmma_default_min_tokens() -> int | None:
         return None
     cc = getattr(_cp().cuda.Device(), "compute_capability", "")
     return registry.WGMMA_MIN_TOKENS if cc == "90" else None
+
+
 _NULL = nullcontext()
 
 
@@ -228,8 +230,8 @@ class GPUModel:
         self._rope_cos = self._rope_sin = None
         self._timer: OpTimer | None = None
         self._sessions = None     # engine.gpu.session.SessionPool, made on the first session()
-        self.wgmma_min_tokens = wgmma_default_min_tokens()
-        self.wgmma_kinds = frozenset({"q4_k", "q6_k"})
+        self.wgmma_min_tokens = wgmma_default_min_tokens()     # tests may set it (None: never)
+        self.wgmma_kinds = frozenset({"q4_k", "q6_k"})         # weight kinds with a Hopper GEMM
         if progress:
             print(f"\rloaded {model.path} to the GPU in {self.load_seconds:.1f} s: "
                   f"{self.resident_bytes / 2**30:.3f} GiB resident "

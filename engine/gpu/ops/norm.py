@@ -13,16 +13,22 @@ from engine.gpu.ops._util import contig, ptr
 RMSNORM_MAX_K = 8192        # rmsnorm.cu RN_MAXJ * 256
 
 
-def add_rmsnorm_q8_1(x, y, w, eps: float, act, hout=None) -> None:
-    """Fused: if y is not None, x += y (in place); then act = q8_1(rmsnorm(x) * w) row by row.
-    x, y float32 [R, K]; w float32 [K]; act Q8Act [R, K]; hout optional float32 [R, K]."""
+def _check_inputs(op: str, x, y, w) -> tuple[int, int]:
+    """(R, K) of the residual rows x, after checking x, y (or None) and the norm weight w."""
     R, K = map(int, x.shape)
     if K % 256 or K > RMSNORM_MAX_K:
-        raise ValueError(f"add_rmsnorm_q8_1: K={K} must be a multiple of 256 and <= {RMSNORM_MAX_K}")
+        raise ValueError(f"{op}: K={K} must be a multiple of 256 and <= {RMSNORM_MAX_K}")
     contig(x, np.float32, (R, K), "rmsnorm x")
     if y is not None:
         contig(y, np.float32, (R, K), "rmsnorm y")
     contig(w, np.float32, (K,), "rmsnorm w")
+    return R, K
+
+
+def add_rmsnorm_q8_1(x, y, w, eps: float, act, hout=None) -> None:
+    """Fused: if y is not None, x += y (in place); then act = q8_1(rmsnorm(x) * w) row by row.
+    x, y float32 [R, K]; w float32 [K]; act Q8Act [R, K]; hout optional float32 [R, K]."""
+    R, K = _check_inputs("add_rmsnorm_q8_1", x, y, w)
     contig(act.q, np.int8, (R, K), "rmsnorm act.q")
     contig(act.ds, np.float32, (R, K // 32, 2), "rmsnorm act.ds")
     if hout is not None:
@@ -39,18 +45,12 @@ def add_rmsnorm_x16(x, y, w, eps: float, xt) -> None:
     of xt are left as they are (zero from engine.gpu.ops.wgmma.tiled_buffer)."""
     from engine.gpu.ops.wgmma import tiled_shape
 
-    R, K = map(int, x.shape)
-    if K % 256 or K > RMSNORM_MAX_K:
-        raise ValueError(f"add_rmsnorm_x16: K={K} must be a multiple of 256 and <= {RMSNORM_MAX_K}")
-    contig(x, np.float32, (R, K), "rmsnorm x")
-    if y is not None:
-        contig(y, np.float32, (R, K), "rmsnorm y")
-    contig(w, np.float32, (K,), "rmsnorm w")
+    R, K = _check_inputs("add_rmsnorm_x16", x, y, w)
     contig(xt, np.float16, tiled_shape(R, K), "rmsnorm xt")
     if R == 0:
         return
     k = kernels.get_kernel("rmsnorm.cu", "add_rmsnorm_x16")
-    k((R,), (256,), (x, ptr(y), w, xt, np.int32(K), np.float32(eps)))
+    k((-(-R // 8),), (256,), (x, ptr(y), w, xt, np.int32(R), np.int32(K), np.float32(eps)))
 
 
 def gather_add_rows(x, y, sel, out) -> None:
