@@ -100,24 +100,22 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
 }
 
 // The same h as add_rmsnorm_q8_1 (bit for bit), written as f16 into the Hopper GEMMs' tiled
-// operand Xt (x16_tiles.cuh) of R rows, zeroed past R by the caller. Block b owns token group b:
-// the add and the scale of its (up to) 8 rows one after another, then whole 16-byte chunks of
-// h = (x * scale) * w (rn_h's products) re-read from x (L1/L2) in the tiled order.
+// operand Xt (x16_tiles.cuh) of T rows (the grid's R = T rows; Xt zeroed past T by the caller).
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
 add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-                u16* __restrict__ Xt, int R, int K, float eps) {
+                u16* __restrict__ Xt, int K, float eps) {
     pdl_entry();
     __shared__ float red[RN_THREADS / 32];
-    __shared__ float scale[8];
-    const int grp = blockIdx.x;
-#pragma unroll 1
-    for (int r = 0; r < 8 && grp * 8 + r < R; ++r) {
-        float4 v[RN_MAXJ];
-        const float sc = rn_add_scale(v, x, y, grp * 8 + r, K, eps, red);
-        if (threadIdx.x == 0) scale[r] = sc;
-        __syncthreads();                               // red is rewritten by the next row
+    const int r = blockIdx.x, tid = threadIdx.x, ngroups = (gridDim.x + 7) / 8;
+    float4 v[RN_MAXJ];
+    const float scale = rn_add_scale(v, x, y, r, K, eps, red);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll
+    for (int j = 0; j < RN_MAXJ; ++j) {
+        const int i = tid + RN_THREADS * j;
+        if (i < (K >> 2)) {
+            const float4 h = rn_h(v[j], scale, w4[i]);
+            wg_store_quad(Xt, r, 4 * i, ngroups, h.x, h.y, h.z, h.w);
+        }
     }
-    wg_write_group(Xt, grp, R, K, [&](int n, int e) {
-        return __fmul_rn(__fmul_rn(x[(size_t)n * K + e], scale[n & 7]), w[e]);
-    });
 }

@@ -57,12 +57,17 @@ swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long 
 }
 
 // h as in swiglu_q8_1 (bit for bit) as f16 into Xt (x16_tiles.cuh) of T rows, zeroed past T by
-// the caller. Block b owns token group b (x16_tiles.cuh wg_write_group).
+// the caller. One thread per 4 consecutive elements (n4 = T*F/4).
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_x16(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F, int T,
            u16* __restrict__ Xt) {
     pdl_entry();
-    wg_write_group(Xt, blockIdx.x, T, F, [&](int n, int e) {
-        return sw_silu_mul(g[n * ld + e], u[n * ld + e]);
-    });
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // float4 index
+    const int f4 = F >> 2;
+    if (i >= (long long)T * f4) return;
+    const int t = (int)(i / f4), c = (int)(i - (long long)t * f4);
+    const float4 gv = *reinterpret_cast<const float4*>(g + t * ld + 4 * c);
+    const float4 uv = *reinterpret_cast<const float4*>(u + t * ld + 4 * c);
+    wg_store_quad(Xt, t, 4 * c, (T + 7) / 8, sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y),
+                  sw_silu_mul(gv.z, uv.z), sw_silu_mul(gv.w, uv.w));
 }

@@ -23,22 +23,14 @@ __device__ __forceinline__ u32 wg_pack_f16x2(float lo, float hi) {
     return (u32)f32_to_f16_rn(lo) | ((u32)f32_to_f16_rn(hi) << 16);    // numerics.cuh: cvt.rn.f16.f32
 }
 
-// The producers' write pattern: a block owns token group grp (tokens 8 grp .. 8 grp + 7, those
-// < T) and its threads write whole 16-byte chunks (8 logical k of one token; 8 consecutive
-// threads = the 8 tokens of one core-matrix row, so a warp stores 512 contiguous bytes).
-// h(n, e) gives the float value of token n, element e (absolute column); chunk (n, kl0) holds
-// h at elements (kl0 & ~255) + P(kl0 % 256 + i), i = 0..7.
-template <class H>
-__device__ __forceinline__ void wg_write_group(u16* __restrict__ Xt, int grp, int T, int K, const H& h) {
-    const int ngroups = (T + 7) / 8, nn = threadIdx.x & 7;
-    const int n = grp * 8 + nn;
-    if (n >= T) return;
-    for (int c = threadIdx.x >> 3; c < K / 8; c += blockDim.x >> 3) {
-        const int kl0 = c * 8, base = kl0 & ~255;
-        u32 w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            w[i] = wg_pack_f16x2(h(n, base + wg_perm((kl0 & 255) + 2 * i)), h(n, base + wg_perm((kl0 & 255) + 2 * i + 1)));
-        *reinterpret_cast<uint4*>(Xt + wg_xt_index(n, kl0, ngroups)) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+// Elements k..k+3 (k % 4 == 0) of token n: within the super-block p = k % 256 has t = p / 64,
+// hi = p / 32 % 2, m = p / 4 % 8 and b = 0..3 gives (f, e) = (b & 1, b >> 1), so h0, h2 sit at
+// logical L = 16 (2m + hi) + 2t, L + 1 and h1, h3 at L + 8, L + 9 (the next 8-k chunk): two
+// 4-byte stores.
+__device__ __forceinline__ void wg_store_quad(u16* __restrict__ Xt, int n, int k, int ngroups,
+                                              float h0, float h1, float h2, float h3) {
+    const int p = k & 255, t = p >> 6, hi = (p >> 5) & 1, m = (p >> 2) & 7;
+    u32* dst = reinterpret_cast<u32*>(Xt + wg_xt_index(n, (k & ~255) + 16 * (2 * m + hi) + 2 * t, ngroups));
+    dst[0] = wg_pack_f16x2(h0, h2);
+    dst[32] = wg_pack_f16x2(h1, h3);                   // + 64 elements: chunk kc + 1
 }

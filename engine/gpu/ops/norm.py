@@ -50,7 +50,7 @@ def add_rmsnorm_x16(x, y, w, eps: float, xt) -> None:
     if R == 0:
         return
     k = kernels.get_kernel("rmsnorm.cu", "add_rmsnorm_x16")
-    k((-(-R // 8),), (256,), (x, ptr(y), w, xt, np.int32(R), np.int32(K), np.float32(eps)))
+    k((R,), (256,), (x, ptr(y), w, xt, np.int32(K), np.float32(eps)))
 
 
 def gather_add_rows(x, y, sel, out) -> None:

@@ -44,18 +44,20 @@ def tiled_buffer(T: int, K: int):
 
 def tile_x16(x, out=None):
     """float32 [T, K] -> float16 [K/64, ceil(T/8), 8, 8, 8] as the wgmma GEMMs read it
-    (engine.reference.wgmma.tile_x16); rows past T of `out` are left as they are (tiled_buffer:
-    zero)."""
+    (engine.reference.wgmma.tile_x16), rows past T written zero."""
+    import cupy as cp
+
     T, K = x.shape
     if K % 256:
         raise ValueError(f"tile_x16: K={K} is not a multiple of 256")
     check_dev(x, np.float32, (T, K), "tile_x16 x")
     shape = tiled_shape(T, K)
     if out is None:
-        out = tiled_buffer(T, K)
+        out = cp.empty(shape, dtype=cp.float16)
     check_dev(out, np.float16, shape, "tile_x16 out")
-    if T:
-        kernels.get_kernel(ACT_FILE, "wgmma_tile_x16")((-(-T // 8),), (256,), (x, out, np.int32(T), np.int32(K)))
+    n = out.size
+    if n:
+        kernels.get_kernel(ACT_FILE, "wgmma_tile_x16")(((n + 255) // 256,), (256,), (x, out, np.int32(T), np.int32(K)))
     return out
 
 
