@@ -1,10 +1,10 @@
-"""Hopper f16 GEMM (kernels_cu/wgmma_q4_k.cu) beside the production MMQ and cuBLAS f16, same run.
+"""Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu) beside the production MMQ and cuBLAS f16, same run.
 
     python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,..] [--shapes q4_k:NxK,..]
                                [--reps 20] [--json OUT]
 
 Per q4_K / q6_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
-that exceed the L2 4x): wgmma_q4k per config BTxSTAGES ("auto": registry.wgmma_bt), its activation
+that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES ("auto": registry.wgmma_bt), its activation
 tiling (a stand-in for the producer that will write f16 directly), the production MMQ variant (choose_variant) plus its
 q8_1 quantization, and cupy.matmul on f16 weights (cuBLAS, launched from the host: it refuses capture). Each wgmma output is checked on 16
 sampled rows against engine.reference.wgmma (stated bound). Ratios are same-run: cuBLAS ms / ms.
@@ -19,7 +19,7 @@ import numpy as np
 
 from dev.gemm_bench import GraphTimer, parse_shapes
 from engine.reference.mmq import random_blocks
-from engine.reference.wgmma import dequant_q4_k_f16, dequant_q6_k_f16, wgmma_abs, wgmma_error_bound, wgmma_reference
+from engine.reference.wgmma import dequant_f16, wgmma_abs, wgmma_error_bound, wgmma_reference
 
 SHAPES = [("q4_k", 4096, 4096), ("q4_k", 11008, 4096), ("q4_k", 4096, 11008),
           ("q4_k", 12288, 4096), ("q4_k", 22016, 4096), ("q6_k", 4096, 4096), ("q6_k", 4096, 11008),
@@ -50,7 +50,7 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
         gemm = wgmma_q4k if kind == "q4_k" else wgmma_q6k
         copies = [wd] + [DeviceWeight(wd.ggml_type, N, K, wd.data.copy(), wd.padded)
                          for _ in range(gt.copies(wd.nbytes) - 1)]
-        w16_h = dequant_q4_k_f16(w) if kind == "q4_k" else dequant_q6_k_f16(w)
+        w16_h = dequant_f16(w, kind)
         w16 = cp.asarray(w16_h)
         w16c = [w16] + [w16.copy() for _ in range(max(1, gt.copies(w16.nbytes)) - 1)]
         sample = np.sort(rng.choice(N, size=16, replace=False))

@@ -111,10 +111,13 @@ __device__ __forceinline__ u32 h2_add(u32 a, u32 b) {
     asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
 __device__ __forceinline__ u32 f32_to_h2_bcast(float x) {   // (f16(x), f16(x)), round to nearest
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return (u32)h * 0x10001u;
+    return (u32)f32_to_f16_rn(x) * 0x10001u;
 }
 
 __device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {

@@ -28,12 +28,6 @@
 #define H2_M288 0xDC80DC80u            // (-288, -288)
 #define H2_1_4 0x34003400u             // (1/4, 1/4)
 
-__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
 // PF: stages loaded ahead (a ring of PF slots of 12 registers, 24 for raw blocks).
 template <bool PADDED, int PF_>
 struct WgQ6K {

@@ -335,20 +335,15 @@ class GPUModel:
 
     def _on_wgmma(self, w, T: int) -> bool:
         """Whether this ubatch's GEMM of w runs on the Hopper path (module docstring)."""
-        from engine.gpu.ops.wgmma import ROWS
-
         return (self.wgmma_min_tokens is not None and T >= self.wgmma_min_tokens and w.kind in self.wgmma_kinds
-                and w.rows % ROWS == 0)
+                and w.rows % ops.wgmma.ROWS == 0)
 
     def _gemm(self, w, act, out, xt=None):
         """out[T, w.rows] = act . w^T: q8_1 `act` through MMQ, or the tiled f16 `xt` through wgmma."""
-        from engine.gpu.ops.mmq import mmq
-        from engine.gpu.ops.wgmma import wgmma
-
         with self._span("gemm_" + w.kind):
             if xt is not None and self._on_wgmma(w, int(out.shape[0])):
-                return wgmma(w, xt, int(out.shape[0]), out=out)
-            return mmq(w, act, out=out)
+                return ops.wgmma.wgmma(w, xt, int(out.shape[0]), out=out)
+            return ops.mmq.mmq(w, act, out=out)
 
     def _norm(self, x, y, norm_w, act, bufs, weights):
         """add_rmsnorm into what the GEMMs of `weights` read: q8_1 `act`, the tiled f16 operand

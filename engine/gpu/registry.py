@@ -188,8 +188,9 @@ def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
 # 256-token tiles to keep the tail short (H100 hopper_bench, perf-log Session 12: 256 wins at
 # T = 3314 on every 7B shape and at T = 512 only on 22016 rows).
 WGMMA_BTS = (128, 256)
-# Ubatches of at least this many tokens run their q4_K GEMMs on wgmma (engine.gpu.model): from
-# hopper_bench, wgmma beats the MMQ at T = 512 by 2.3x on every 7B shape (perf-log Session 12).
+# Ubatches of at least this many tokens run their q4_K and q6_K GEMMs on wgmma (engine.gpu.model):
+# from hopper_bench, wgmma beats the MMQ at T = 256 by 1.7-2.3x on every 7B shape (perf-log
+# Session 12).
 WGMMA_MIN_TOKENS = 256
 WGMMA_STAGES = 4
 WGMMA_WAVE_SMS = 132
@@ -200,17 +201,20 @@ def wgmma_bt(T: int, N: int) -> int:
     return 256 if tiles_256 >= 2 * WGMMA_WAVE_SMS else 128
 
 
-def wgmma_instance(bt: int, stages: int = WGMMA_STAGES) -> str:
+def _check_wgmma_config(kernel: str, bt: int, stages: int) -> None:
     if bt not in WGMMA_BTS or not 3 <= stages <= 8:
-        raise ValueError(f"wgmma_q4_k: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
+        raise ValueError(f"{kernel}: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
+
+
+def wgmma_instance(bt: int, stages: int = WGMMA_STAGES) -> str:
+    _check_wgmma_config("wgmma_q4_k", bt, stages)
     return f"wgmma_q4_k<{bt}, {stages}>"
 
 
 def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES) -> str:
     """kernels_cu/wgmma_q6_k.cu: PADDED selects the 224-byte (8-byte loads) or the raw 210-byte
     block layout (2-byte loads), bit-identical results."""
-    if bt not in WGMMA_BTS or not 3 <= stages <= 8:
-        raise ValueError(f"wgmma_q6_k: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
+    _check_wgmma_config("wgmma_q6_k", bt, stages)
     return f"wgmma_q6_k<{'true' if padded else 'false'}, {bt}, {stages}>"
 
 

@@ -35,19 +35,22 @@ def embed(rows: np.ndarray, kind: str, padded: bool = False) -> np.ndarray:
     return dequantize_weight(rows, kind, padded)
 
 
-def rmsnorm_q8_1(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None = None):
-    """x' = x + y; h = x' / sqrt(mean(x'^2) + eps) * w; returns (x', h, q8_1(h)) with q8_1(h) = (q, d, s)."""
+def _add_rms_norm(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None):
+    """(x', h): x' = x + y (x when y is None), h = x' / sqrt(mean(x'^2) + eps) * w."""
     if y is not None:
         x = x + y
-    h = rms_norm(x, w, eps)
+    return x, rms_norm(x, w, eps)
+
+
+def rmsnorm_q8_1(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None = None):
+    """x' = x + y; h = x' / sqrt(mean(x'^2) + eps) * w; returns (x', h, q8_1(h)) with q8_1(h) = (q, d, s)."""
+    x, h = _add_rms_norm(x, w, eps, y)
     return x, h, quants.quantize_q8_1(np.ascontiguousarray(h, dtype=np.float32))
 
 
 def rmsnorm_x16(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None = None):
     """rmsnorm_q8_1's (x', h) and h in the Hopper GEMMs' tiled f16 operand (engine.reference.wgmma.tile_x16)."""
-    if y is not None:
-        x = x + y
-    h = rms_norm(x, w, eps)
+    x, h = _add_rms_norm(x, w, eps, y)
     return x, h, wgmma_ref.tile_x16(h)
 
 
@@ -112,10 +115,7 @@ def untile_x16(xt: np.ndarray, T: int) -> np.ndarray:
 def wgmma_f16(w_rows: np.ndarray, kind: str, x16: np.ndarray, padded: bool = False) -> np.ndarray:
     """y = f32(x16 @ w16.T) in float64: the Hopper GEMM on its own operands (f16 activations, the
     weights dequantized to f16 as the kernel does; engine.reference.wgmma has its bound)."""
-    if kind not in ("q4_k", "q6_k"):
-        raise ValueError(f"wgmma_f16: no Hopper GEMM for {kind}")
-    w16 = wgmma_ref.dequant_q4_k_f16(w_rows) if kind == "q4_k" else wgmma_ref.dequant_q6_k_f16(w_rows, padded)
-    return (np.asarray(x16, np.float64) @ w16.astype(np.float64).T).astype(np.float32)
+    return wgmma_ref.wgmma_reference(wgmma_ref.dequant_f16(w_rows, kind, padded), x16).astype(np.float32)
 
 
 def mmq_q8_1(w_rows: np.ndarray, kind: str, q: np.ndarray, d: np.ndarray, padded: bool = False) -> np.ndarray:

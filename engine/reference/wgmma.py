@@ -7,6 +7,7 @@ permuted k order, products summed in float64.
     tile_x16(x) -> float16 [K/64, ceil(T/8), 8, 8, 8]: the same, tiled as the kernel reads it
     dequant_q4_k_f16(blocks) -> float16 [N, K]: w = f16(q f16(d sc) - f16(dmin m)), one rounding
     dequant_q6_k_f16(blocks, padded) -> float16 [N, K]: w = f16((q - 32) f16(d sc)), one rounding
+    dequant_f16(blocks, kind, padded): one of the two by weight kind
     wgmma_reference(w16, x16) -> float64 [T, N]; wgmma_abs(w16, x16) -> sum of |x||w|
     wgmma_error_bound(K, S) -> per-element bound on |y - ref|
 
@@ -78,6 +79,15 @@ def dequant_q6_k_f16(blocks: np.ndarray, padded: bool = False) -> np.ndarray:
         s16 = (d[:, None] * sc.astype(np.float32)).astype(np.float16).astype(np.float64)
         w = q.reshape(-1, 16, 16).astype(np.float64) * s16[:, :, None]
         return w.astype(np.float16).reshape(N, -1)
+
+
+def dequant_f16(blocks: np.ndarray, kind: str, padded: bool = False) -> np.ndarray:
+    """dequant_q4_k_f16 or dequant_q6_k_f16 by weight kind ("q4_k" / "q6_k")."""
+    if kind == "q4_k":
+        return dequant_q4_k_f16(blocks)
+    if kind == "q6_k":
+        return dequant_q6_k_f16(blocks, padded)
+    raise ValueError(f"dequant_f16: no Hopper GEMM for {kind}")
 
 
 def wgmma_reference(w16: np.ndarray, x16: np.ndarray) -> np.ndarray:
