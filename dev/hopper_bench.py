@@ -1,13 +1,14 @@
 """Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu) beside the production MMQ and cuBLAS f16, same run.
 
-    python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,..] [--shapes q4_k:NxK,..]
+    python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,32x4k4,..] [--shapes q4_k:NxK,..]
                                [--reps 20] [--json OUT]
 
 Per q4_K / q6_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
-that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES ("auto": registry.wgmma_bt), its activation
+that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES[kKP] ("auto": registry.wgmma_config; kKP: K in KP parts), its activation
 tiling (a stand-in for the producer that will write f16 directly), the production MMQ variant (choose_variant) plus its
 q8_1 quantization, and cupy.matmul on f16 weights (cuBLAS, launched from the host: it refuses capture). Each wgmma output is checked on 16
-sampled rows against engine.reference.wgmma (stated bound). Ratios are same-run: cuBLAS ms / ms.
+sampled rows against engine.reference.wgmma (stated bound). Ratios are same-run: cuBLAS ms / ms; GB/s:
+the weight bytes (q6_K padded) over the time, the small-batch figure of merit.
 """
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ SHAPES = [("q4_k", 4096, 4096), ("q4_k", 11008, 4096), ("q4_k", 4096, 11008),
           ("q6_k", 32000, 4096)]
 
 
-def parse_config(cfg: str) -> tuple[int | None, int | None]:
-    """"128x4" -> (128, 4); "auto" -> (None, None): the production choice."""
+def parse_config(cfg: str) -> tuple[int | None, int | None, int | None]:
+    """"128x4" -> (128, 4, 1); "32x4k4" -> (32, 4, 4); "auto" -> (None, None, None): the production choice."""
     if cfg == "auto":
-        return None, None
-    bt, st = (int(v) for v in cfg.split("x"))
-    return bt, st
+        return None, None, None
+    head, _, kp = cfg.partition("k")
+    bt, st = (int(v) for v in head.split("x"))
+    return bt, st, int(kp or 1)
 
 
 def run(tokens, configs, shapes, reps=20, seed=7, log=print):
@@ -69,23 +71,26 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
             t_q8 = gt(lambda c: gpu_mmq.quantize_q8_1(x, out=act), 4)["median_ms"]
             t_tile = gt(lambda c: tile_x16(x, out=xt), 4)["median_ms"]
             base = {"kind": kind, "N": N, "K": K, "T": T, "cublas_ms": t_cub, "mmq_variant": v,
-                    "mmq_ms": t_mmq, "q8_ms": t_q8, "tile_ms": t_tile}
+                    "mmq_ms": t_mmq, "q8_ms": t_q8, "tile_ms": t_tile, "weight_bytes": wd.nbytes,
+                    "mmq_gbs": wd.nbytes / t_mmq * 1e-6}
             log(f"{kind} {N}x{K} T={T}: cuBLAS f16 {t_cub:.3f} ms ({flops / t_cub * 1e-9:.0f} TFLOP/s), "
                 f"MMQ {v} {t_mmq:.3f} ms (ratio {t_cub / t_mmq:.2f}) + q8_1 {t_q8:.3f}, tile {t_tile:.3f}")
             x16_h = cp.asnumpy(x16)
             ref = wgmma_reference(w16_h[sample], x16_h)
             bound = wgmma_error_bound(K, wgmma_abs(w16_h[sample], x16_h))
             for cfg in configs:
-                bt, st = parse_config(cfg)
+                bt, st, kp = parse_config(cfg)
+                if kp and kp > K // 256:
+                    continue
                 y.fill(np.nan)
-                gemm(wd, xt, T, out=y, bt=bt, stages=st)
+                gemm(wd, xt, T, out=y, bt=bt, stages=st, kp=kp)
                 got = cp.asnumpy(y[:, cp.asarray(sample)]).astype(np.float64)
                 ok = bool(np.all(np.isfinite(got)) and np.all(np.abs(got - ref) <= bound))
                 worst = float(np.max(np.abs(got - ref) / np.maximum(bound, 1e-300)))
-                t = gt(lambda c: gemm(copies[c], xt, T, out=y, bt=bt, stages=st),
+                t = gt(lambda c: gemm(copies[c], xt, T, out=y, bt=bt, stages=st, kp=kp),
                        len(copies))["median_ms"]
                 row = dict(base, config=cfg, wgmma_ms=t, ratio=t_cub / t, vs_mmq=t_mmq / t,
-                           tflops=flops / t * 1e-9, ok=ok, worst_over_bound=worst)
+                           tflops=flops / t * 1e-9, gbs=wd.nbytes / t * 1e-6, ok=ok, worst_over_bound=worst)
                 rows.append(row)
                 log(f"    wgmma {cfg}: {t:.3f} ms  {row['tflops']:.0f} TFLOP/s  cuBLAS ratio {row['ratio']:.2f}"
                     f"  vs MMQ x{row['vs_mmq']:.2f}  ok={ok} (worst err/bound {worst:.2e})")
@@ -108,10 +113,11 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{'shape':>14s} {'T':>5s} {'cfg':>6s} {'wgmma ms':>9s} {'MMQ ms':>8s} {'cuBLAS':>8s} {'/cuBLAS':>8s} {'xMMQ':>6s} ok")
+    print(f"\n{'shape':>14s} {'T':>5s} {'cfg':>7s} {'wgmma ms':>9s} {'GB/s':>6s} {'MMQ ms':>8s} {'GB/s':>6s} "
+          f"{'cuBLAS':>8s} {'/cuBLAS':>8s} {'xMMQ':>6s} ok")
     for r in rows:
-        print(f"{r['kind']} {r['N']:>7d}x{r['K']:<6d} {r['T']:5d} {r['config']:>6s} {r['wgmma_ms']:9.3f} {r['mmq_ms']:8.3f} "
-              f"{r['cublas_ms']:8.3f} {r['ratio']:8.2f} {r['vs_mmq']:6.2f} {r['ok']}")
+        print(f"{r['kind']} {r['N']:>7d}x{r['K']:<6d} {r['T']:5d} {r['config']:>7s} {r['wgmma_ms']:9.4f} {r['gbs']:6.0f} "
+              f"{r['mmq_ms']:8.4f} {r['mmq_gbs']:6.0f} {r['cublas_ms']:8.3f} {r['ratio']:8.2f} {r['vs_mmq']:6.2f} {r['ok']}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -78,6 +78,12 @@ def main() -> None:
         print(sass)
     counts = opcode_counts(sass)
     print(" ".join(l.strip() for l in log.splitlines() if "Used" in l or "spill" in l))
+    depbar, hgmma = sass.count("WARPGROUP.DEPBAR"), sass.count("HGMMA")
+    if hgmma and depbar >= hgmma:                  # ptxas serializes wgmma silently (a wait after each)
+        print(f"warning: wgmma serialized ({depbar} WARPGROUP.DEPBAR for {hgmma} HGMMA)")
+    for line in log.splitlines():                  # ptxas's own warnings
+        if "warning" in line.lower():
+            print(line.strip())
     print(f"{a.instance}: {sum(counts.values())} instructions (static)")
     print("  " + "  ".join(f"{op} {n}" for op, n in counts.most_common()))
 

@@ -77,29 +77,50 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// D[64 x 128] += A[64 x 16] (registers) . B[16 x 128] (shared, K-major, descriptor)
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], u64 desc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+// D[64 x BN] += A[64 x 16] (registers) . B[16 x BN] (shared, K-major, descriptor), BN = 16 .. 128:
+// BN / 2 f32 accumulators per thread (d[4 i + e]: row g + 8 (e >> 1), column 8 i + 2 t + (e & 1)).
+#define WG_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
+#define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+#define WG_MMA(N) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 "
+#define WG_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+template <int BN>
+__device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc);
+template <>
+__device__ __forceinline__ void wgmma_n<16>(float (&d)[8], const u32 (&a)[4], u64 desc) {
+    asm volatile(WG_PRED WG_MMA(16) "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 : WG_D4(0), WG_D4(1) : WG_A4);
 }
+template <>
+__device__ __forceinline__ void wgmma_n<32>(float (&d)[16], const u32 (&a)[4], u64 desc) {
+    asm volatile(WG_PRED WG_MMA(32)
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3) : WG_A4);
+}
+template <>
+__device__ __forceinline__ void wgmma_n<64>(float (&d)[32], const u32 (&a)[4], u64 desc) {
+    asm volatile(WG_PRED WG_MMA(64)
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7) : WG_A4);
+}
+template <>
+__device__ __forceinline__ void wgmma_n<128>(float (&d)[64], const u32 (&a)[4], u64 desc) {
+    asm volatile(WG_PRED WG_MMA(128)
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
+                   WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+                 : WG_A4);
+}
+#undef WG_D4
+#undef WG_A4
+#undef WG_MMA
+#undef WG_PRED
 
 __device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
     u32 r;
@@ -127,13 +148,40 @@ __device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
 #define H2_1024 0x64006400u            // (1024, 1024)
 #define H2_M1024 0xE400E400u           // (-1024, -1024)
 
+// Tokens per wgmma (BN) and wgmmas per k16 step (NH) of a BT-token tile.
 template <int BT>
-__device__ __forceinline__ void wg_issue_stage(float (&acc)[BT / 128][64], const u32 (&a)[4][4], u32 sbuf) {
+struct WgTile {
+    static_assert(BT == 16 || BT == 32 || BT == 64 || BT == 128 || BT == 256, "BT: 16, 32, 64, 128 or 256");
+    enum { BN = BT < 128 ? BT : 128, NH = BT / BN, NACC = BN / 2 };
+};
+
+template <int BT>
+__device__ __forceinline__ void wg_issue_stage(float (&acc)[WgTile<BT>::NH][WgTile<BT>::NACC], const u32 (&a)[4][4],
+                                               u32 sbuf) {
+    constexpr int BN = WgTile<BT>::BN;
 #pragma unroll
     for (int s = 0; s < 4; ++s)
 #pragma unroll
-        for (int h = 0; h < BT / 128; ++h)
-            wgmma_n128(acc[h], a[s], wg_desc(sbuf + h * 16 * 1024 + s * 256, 128, 1024));
+        for (int h = 0; h < WgTile<BT>::NH; ++h)
+            wgmma_n<BN>(acc[h], a[s], wg_desc(sbuf + h * (BN / 8) * 1024 + s * 256, 128, 1024));
+}
+
+// Thread-block clusters (the K-parts of one output tile, wgmma_gemm with KP > 1).
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// f32 at shared address `addr` of this CTA's layout, in cluster CTA `rank` (distributed shared memory).
+__device__ __forceinline__ float ld_dsmem_f32(u32 addr, u32 rank) {
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
 }
 
 // Byte offset in Xt of the 1,024-byte piece (token group gi, k0 .. k0 + 63).
@@ -151,14 +199,28 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* __res
     bulk_g2s(sbuf, Xt + wg_piece(g0, ngroups, k0), bytes, bar);
 }
 
-// The whole GEMM of one block (the __global__ wrappers call it after pdl_entry()).
-template <class WT, int BT, int STAGES>
+// Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
+// the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
+// them after the K loop), then one 8-byte mbarrier per stage.
+template <int BT, int STAGES, int KP>
+constexpr u32 wg_stage_area() {
+    return (KP > 1 && BT * 512 > STAGES * BT * WG_BK * 2) ? BT * 512 : STAGES * BT * WG_BK * 2;
+}
+
+// The whole GEMM of one block (the __global__ wrappers call it after pdl_entry()). KP = 1: the
+// block runs all of K. KP > 1: the grid's z = K-part, launched as clusters of KP blocks along z
+// (__cluster_dims__ on the wrapper): part p runs super-blocks nsb p / KP .. nsb (p + 1) / KP - 1,
+// then the parts add their f32 tiles through distributed shared memory, part 0 + part 1 + ... in
+// that order whoever sums (so the result does not depend on timing), each block summing and
+// storing every KP-th accumulator.
+template <class WT, int BT, int STAGES, int KP = 1>
 __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* __restrict__ Xt,
                                            float* __restrict__ Y, int T, int N, int K) {
     extern __shared__ __align__(1024) u8 smem[];
+    typedef WgTile<BT> Tile;
     const u32 s0 = smem_u32(smem);
     constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
-    const u32 bars = s0 + STAGES * STAGE_BYTES;                  // one 8-byte mbarrier per buffer
+    const u32 bars = s0 + wg_stage_area<BT, STAGES, KP>();      // one 8-byte mbarrier per buffer
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
@@ -166,7 +228,10 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
     const u8* r0 = W + (size_t)row0 * row_bytes;
     const u8* r1 = r0 + 8 * row_bytes;
-    const int nst = K / WG_BK, nsb = K / 256;
+    const int nsb_all = K / 256;
+    const int sb0 = KP > 1 ? (int)(blockIdx.z * nsb_all / KP) : 0;
+    const int sb1 = KP > 1 ? (int)((blockIdx.z + 1) * nsb_all / KP) : nsb_all;
+    const int j0 = 4 * sb0, nst = 4 * (sb1 - sb0);              // this block's stages j0 .. j0 + nst - 1
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -175,61 +240,87 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     }
     __syncthreads();
     if (threadIdx.x == 0)
-        for (int j = 0; j < STAGES && j < nst; ++j)
-            wg_bulk_stage<BT>(s0 + j * STAGE_BYTES, bars + 8 * j, Xt, ngroups, g0, j * WG_BK);
+        for (int l = 0; l < STAGES && l < nst; ++l)
+            wg_bulk_stage<BT>(s0 + l * STAGE_BYTES, bars + 8 * l, Xt, ngroups, g0, (j0 + l) * WG_BK);
 
-    float acc[BT / 128][64];
+    float acc[Tile::NH][Tile::NACC];
 #pragma unroll
-    for (int h = 0; h < BT / 128; ++h)
+    for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+        for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
 
     typename WT::Sb cur, nxt;
-    WT::load(cur, r0, r1, 0, t);
+    WT::load(cur, r0, r1, sb0, t);                // nst >= 4: the host keeps KP <= K / 256
     constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
     static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
     typename WT::St st[NSLOT];
     if constexpr (WT::PF > 0) {
 #pragma unroll
-        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, p, t);   // PF <= 4 <= nst
+        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, j0 + p, t);   // PF <= 4 <= nst
     }
     typename WT::Sc sc;
     u32 a[4][4];
-    for (int sb = 0; sb < nsb; ++sb) {
-        if (sb + 1 < nsb) WT::load(nxt, r0, r1, sb + 1, t);
+    for (int sb = sb0; sb < sb1; ++sb) {
+        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-            const int j = sb * 4 + jj;
-            mbar_wait(bars + 8 * (j % STAGES), (j / STAGES) & 1);       // stage j landed
+            const int j = sb * 4 + jj, l = j - j0;                      // global and local stage
+            mbar_wait(bars + 8 * (l % STAGES), (l / STAGES) & 1);       // stage l landed
             WT::frags(a, cur, st[jj % NSLOT], jj, sc);
             if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
-                if (j + WT::PF < nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
+                if (l + WT::PF < nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
             }
             wg_fence();
-            wg_issue_stage<BT>(acc, a, s0 + (j % STAGES) * STAGE_BYTES);
+            wg_issue_stage<BT>(acc, a, s0 + (l % STAGES) * STAGE_BYTES);
             wg_commit();
-            wg_wait<1>();                              // stage j - 1 retired in this warpgroup
-            const int jn = j - 1 + STAGES;             // refill buffer j - 1 once both warpgroups retired it
+            wg_wait<1>();                              // stage l - 1 retired in this warpgroup
+            const int ln = l - 1 + STAGES;             // refill buffer l - 1 once both warpgroups retired it
             __syncthreads();
-            if (threadIdx.x == 0 && j >= 1 && jn < nst)
-                wg_bulk_stage<BT>(s0 + (jn % STAGES) * STAGE_BYTES, bars + 8 * (jn % STAGES), Xt, ngroups, g0,
-                                  jn * WG_BK);
+            if (threadIdx.x == 0 && l >= 1 && ln < nst)
+                wg_bulk_stage<BT>(s0 + (ln % STAGES) * STAGE_BYTES, bars + 8 * (ln % STAGES), Xt, ngroups, g0,
+                                  (j0 + ln) * WG_BK);
         }
         cur = nxt;
     }
     wg_wait<0>();
 
-    // acc[h][4 i + e]: row g + 8 (e >> 1), token 128 h + 8 i + 2 t + (e & 1)
+    // acc[h][4 i + e]: row g + 8 (e >> 1), token BN h + 8 i + 2 t + (e & 1)
     const int tok0 = g0 * 8;
+    if constexpr (KP == 1) {
 #pragma unroll
-    for (int h = 0; h < BT / 128; ++h)
+        for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
+            for (int i = 0; i < Tile::NACC / 4; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = tok0 + 128 * h + 8 * i + 2 * t + (e & 1);
-                if (tok < T) Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = acc[h][4 * i + e];
+                for (int e = 0; e < 4; ++e) {
+                    const int tok = tok0 + Tile::BN * h + 8 * i + 2 * t + (e & 1);
+                    if (tok < T) Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = acc[h][4 * i + e];
+                }
+    } else {
+        // Partial tile over the stage buffers (every stage consumed: no copy in flight), accumulator
+        // c of thread x at float c * WG_THREADS + x; accumulator c of the tile is summed by part c % KP.
+        float* part = (float*)smem;
+        __syncthreads();                               // the other warpgroup's wgmmas read the buffers
+#pragma unroll
+        for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+            for (int i = 0; i < Tile::NACC; ++i) part[(h * Tile::NACC + i) * WG_THREADS + threadIdx.x] = acc[h][i];
+        cluster_sync();                                // every part's tile written and visible
+        const u32 rank = cluster_rank();
+#pragma unroll
+        for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+            for (int i = 0; i < Tile::NACC; ++i) {
+                const int c = h * Tile::NACC + i;
+                if (c % KP != (int)rank) continue;
+                const u32 addr = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4;
+                float v = 0.0f;
+#pragma unroll
+                for (int q = 0; q < KP; ++q) v += ld_dsmem_f32(addr, q);
+                const int tok = tok0 + Tile::BN * h + 8 * (i >> 2) + 2 * t + (i & 1);
+                if (tok < T) Y[(size_t)tok * N + row0 + 8 * ((i >> 1) & 1)] = v;
             }
+        cluster_sync();                                // no block leaves while its tile is read
+    }
 }
-

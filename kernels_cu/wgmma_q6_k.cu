@@ -140,12 +140,23 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb&, const St
 #ifndef WG_Q6_PF256
 #define WG_Q6_PF256 2
 #endif
+#ifndef WG_Q6_PF64
+#define WG_Q6_PF64 2
+#endif
 template <int BT>
-constexpr int wg_q6_pf() { return BT >= 256 ? WG_Q6_PF256 : WG_Q6_PF128; }
+constexpr int wg_q6_pf() { return BT >= 256 ? WG_Q6_PF256 : BT >= 128 ? WG_Q6_PF128 : WG_Q6_PF64; }
 
 template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
     wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES>(W, Xt, Y, T, N, K);
+}
+
+// K split in KP parts (wgmma_q4_k.cu's wgmma_q4_k_kp).
+template <bool PADDED, int BT, int STAGES, int KP>
+__global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
+wgmma_q6_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
+    pdl_entry();
+    wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(W, Xt, Y, T, N, K);
 }

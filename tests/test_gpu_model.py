@@ -604,10 +604,12 @@ BOUNDS = {"tiny": 2.5e-2, "tiny-qwen2": 2.5e-2, "slice": 5e-2}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [600, 40])
 @pytest.mark.parametrize("name", ["tiny-qwen2", "slice"])
-def test_forward_hopper_vs_mmq(models, name):
-    """sm_90: the same 600-token prompt with the layer GEMMs on wgmma (f16 operands) and on MMQ
-    (q8_1): both within the reference bound; the f16 route's error reported beside the q8_1 one."""
+def test_forward_hopper_vs_mmq(models, name, n):
+    """sm_90: the same prompt with the layer GEMMs on wgmma (f16 operands; at 40 tokens one
+    64-token tile with K split across clusters) and on MMQ (q8_1): both within the reference
+    bound; the f16 route's error reported beside the q8_1 one."""
     import cupy as cp
 
     if cp.cuda.Device().compute_capability != "90":
@@ -615,15 +617,15 @@ def test_forward_hopper_vs_mmq(models, name):
     if name not in models:
         pytest.skip(f"{SLICE} missing")
     mf, ref, gpu = models[name]
-    ids = np.random.default_rng(11).integers(0, mf.config.vocab_size, 600)
-    lr = ref.forward(ids, ref.new_cache(600), all_logits=True)
+    ids = np.random.default_rng(11).integers(0, mf.config.vocab_size, n)
+    lr = ref.forward(ids, ref.new_cache(n), all_logits=True)
     saved = gpu.wgmma_min_tokens
     try:
         recs = {}
         for tag, m in (("mmq", None), ("wgmma", 1)):
             gpu.wgmma_min_tokens = m
-            lg = gpu.forward(ids, gpu.new_cache(600), all_logits=True)
-            recs[tag] = _compare(f"{name}-600-{tag}", lg, lr, BOUNDS[name])
+            lg = gpu.forward(ids, gpu.new_cache(n), all_logits=True)
+            recs[tag] = _compare(f"{name}-{n}-{tag}", lg, lr, BOUNDS[name])
     finally:
         gpu.wgmma_min_tokens = saved
     for rec in recs.values():

@@ -58,15 +58,27 @@ def test_tile_kernel_matches_numpy(rng):
     assert sorted(k_permutation()) == list(range(256))
 
 
-@pytest.mark.parametrize("T,N,K,bt,stages", [
-    (128, 128, 256, 128, 4),       # one tile, one super-block (fewer stages than buffers)
-    (200, 256, 1024, 128, 4),      # ragged second token tile
-    (77, 384, 4096, 256, 4),       # ragged single tile of 256 (token groups not copied)
-    (300, 128, 2048, 128, 3),
-    (513, 256, 4096, 128, 6),
-    (700, 384, 1024, None, None),  # the production choice (registry.wgmma_bt)
-])
-def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages):
+# Small batches: K split in kp parts (clusters adding through distributed shared memory).
+SPLIT_CASES = [
+    (32, 256, 4096, 32, 4, 4),     # one 32-token tile, 4 parts of 4 super-blocks
+    (20, 128, 2048, 32, 4, 2),     # ragged token group inside the tile
+    (50, 128, 11008, 64, 4, 4),    # 43 super-blocks: parts of 10 and 11
+    (7, 128, 2048, 32, 3, 8),      # one token, eight parts of one super-block
+    (100, 256, 1024, 128, 4, 2),
+    (96, 128, 1024, 32, 4, 2),     # three token tiles, each split
+    (32, 1024, 4096, None, None, None),   # the production choice (registry.wgmma_config)
+]
+
+
+@pytest.mark.parametrize("T,N,K,bt,stages,kp", [
+    (128, 128, 256, 128, 4, None),       # one tile, one super-block (fewer stages than buffers)
+    (200, 256, 1024, 128, 4, None),      # ragged second token tile
+    (77, 384, 4096, 256, 4, None),       # ragged single tile of 256 (token groups not copied)
+    (300, 128, 2048, 128, 3, None),
+    (513, 256, 4096, 128, 6, None),
+    (700, 384, 1024, None, None, None),  # the production choice (registry.wgmma_config)
+] + SPLIT_CASES)
+def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages, kp):
     _sm90()
     import cupy as cp
 
@@ -79,8 +91,12 @@ def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages):
     wd = upload_weight(w, "Q4_K")
     xt = gpu_tile(cp.asarray(x))
     y = cp.full((T, N), np.nan, dtype=cp.float32)
-    wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=stages)
-    _check_vs_oracle("wgmma_q4k", cp.asnumpy(y), dequant_q4_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages)
+    wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=stages, kp=kp)
+    _check_vs_oracle("wgmma_q4k", cp.asnumpy(y), dequant_q4_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages, kp=kp)
+    if kp and kp > 1:                  # the parts add in a fixed order: a second run gives the same bits
+        y2 = cp.full((T, N), np.nan, dtype=cp.float32)
+        wgmma_q4k(wd, xt, T, out=y2, bt=bt, stages=stages, kp=kp)
+        assert np.array_equal(cp.asnumpy(y).view(np.uint32), cp.asnumpy(y2).view(np.uint32))
 
 
 def _check_vs_oracle(test: str, y, w16, x, **case):
@@ -97,16 +113,16 @@ def _check_vs_oracle(test: str, y, w16, x, **case):
     assert np.all(err <= bound), f"worst |y - ref| / bound = {worst:.3g}"
 
 
-@pytest.mark.parametrize("T,N,K,bt,stages", [
-    (128, 128, 256, 128, 4),       # one tile, one super-block (stage ring never refilled)
-    (200, 256, 1024, 128, 4),      # ragged second token tile (BT = 128: 4 stages loaded ahead)
-    (77, 384, 4096, 256, 4),       # ragged single tile of 256 (BT = 256: 2 stages ahead)
-    (300, 128, 2048, 256, 3),
-    (513, 256, 1536, 128, 6),      # 6 super-blocks, 6 buffers
-    (8, 128, 512, 128, 5),         # one token group
-    (700, 384, 1024, None, None),  # the production choice (registry.wgmma_bt)
-])
-def test_wgmma_q6k_vs_oracle(rng, T, N, K, bt, stages):
+@pytest.mark.parametrize("T,N,K,bt,stages,kp", [
+    (128, 128, 256, 128, 4, None),       # one tile, one super-block (stage ring never refilled)
+    (200, 256, 1024, 128, 4, None),      # ragged second token tile (BT = 128: 4 stages loaded ahead)
+    (77, 384, 4096, 256, 4, None),       # ragged single tile of 256 (BT = 256: 2 stages ahead)
+    (300, 128, 2048, 256, 3, None),
+    (513, 256, 1536, 128, 6, None),      # 6 super-blocks, 6 buffers
+    (8, 128, 512, 128, 5, None),         # one token group
+    (700, 384, 1024, None, None, None),  # the production choice (registry.wgmma_config)
+] + SPLIT_CASES)
+def test_wgmma_q6k_vs_oracle(rng, T, N, K, bt, stages, kp):
     _sm90()
     import cupy as cp
 
@@ -122,10 +138,10 @@ def test_wgmma_q6k_vs_oracle(rng, T, N, K, bt, stages):
         wd = upload_weight(w, "Q6_K", pad_q6k=padded)
         assert wd.padded == padded
         y = cp.full((T, N), np.nan, dtype=cp.float32)
-        wgmma_q6k(wd, xt, T, out=y, bt=bt, stages=stages)
+        wgmma_q6k(wd, xt, T, out=y, bt=bt, stages=stages, kp=kp)
         ys[padded] = cp.asnumpy(y)
     assert np.array_equal(ys[True].view(np.uint32), ys[False].view(np.uint32)), "raw and padded layouts differ"
-    _check_vs_oracle("wgmma_q6k", ys[True], dequant_q6_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages)
+    _check_vs_oracle("wgmma_q6k", ys[True], dequant_q6_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages, kp=kp)
 
 
 def test_wgmma_q6k_instances_do_not_spill():

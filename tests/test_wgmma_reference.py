@@ -277,3 +277,21 @@ def test_q6_k_kernel_fragments_replayed_match_the_oracle():
                     got[row, 256 * sb + 16 * step + col] = bits
         assert (got >= 0).all(), (padded, pf)
         assert np.array_equal(got.astype(np.uint16), want), (padded, pf)
+
+
+def test_wgmma_config_choices():
+    """registry.wgmma_config reproduces the Session 13 hopper_bench winners (H200, T = 32 / 64 /
+    128): wide matrices unsplit in one token tile, the 4096-row ones split to about one wave, and
+    every choice is a compiled production instance."""
+    from engine.gpu import registry
+
+    cases = {(32, 4096, 4096): (32, 4), (32, 22016, 4096): (32, 1), (32, 11008, 4096): (32, 1),
+             (64, 4096, 4096): (64, 4), (64, 12288, 4096): (64, 1), (128, 4096, 11008): (64, 2),
+             (128, 22016, 4096): (128, 1), (3314, 4096, 4096): (256, 1), (512, 4096, 4096): (128, 1),
+             (32, 2048, 1536): (32, 4)}
+    for (T, N, K), want in cases.items():
+        assert registry.wgmma_config(T, N, K) == want, (T, N, K)
+    for T in range(registry.WGMMA_MIN_TOKENS, 300):
+        for N, K in ((4096, 4096), (4096, 11008), (11008, 4096), (32000, 4096), (1536, 8960), (256, 512)):
+            bt, kp = registry.wgmma_config(T, N, K)
+            assert (bt, kp) in registry.WGMMA_LAUNCHED and kp <= K // 256

@@ -68,15 +68,21 @@ DEFAULT_UBATCH = 4096
 
 def wgmma_default_min_tokens() -> int | None:
     """The ubatch size from which the layer GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS
-    on an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0."""
+    on an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0; GGUF_PREFILL_WGMMA=N
+    (N >= 2) sets it for A/B runs."""
     import os
 
     from engine.gpu import registry
 
-    if os.environ.get("GGUF_PREFILL_WGMMA", "1") == "0":
+    env = os.environ.get("GGUF_PREFILL_WGMMA", "1").strip()
+    if env == "0":
         return None
+    if not env.isdigit():
+        raise GGUFError(f"GGUF_PREFILL_WGMMA={env!r}: 0 (off), 1 (default) or a token count >= 2")
     cc = getattr(_cp().cuda.Device(), "compute_capability", "")
-    return registry.WGMMA_MIN_TOKENS if cc == "90" else None
+    if cc != "90":
+        return None
+    return registry.WGMMA_MIN_TOKENS if int(env) == 1 else int(env)
 
 
 _NULL = nullcontext()

@@ -183,39 +183,65 @@ def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- Hopper (wgmma)
 
-# kernels_cu/wgmma_q4_k.cu (sm_90a; issue 14): BT tokens per block (128 or 256) and 4 activation
-# stages. BT = 256 halves the L2 reads of the weights per token but needs two full waves of
-# 256-token tiles to keep the tail short (H100 hopper_bench, perf-log Session 12: 256 wins at
-# T = 3314 on every 7B shape and at T = 512 only on 22016 rows).
-WGMMA_BTS = (128, 256)
+# kernels_cu/wgmma_q4_k.cu (sm_90a; issues 14, 12): BT tokens per block, 4 activation stages, the
+# K range in KP parts (wgmma_*_kp: clusters of KP blocks adding their tiles through distributed
+# shared memory). Large ubatches: BT = 128 or 256, KP = 1. BT = 256 halves the L2 reads of the
+# weights per token but needs two full waves of 256-token tiles to keep the tail short (H100
+# hopper_bench, perf-log Session 12: 256 wins at T = 3314 on every 7B shape and at T = 512 only
+# on 22016 rows). Small ubatches (perf-log Session 13, H200 hopper_bench at T = 32, 64, 128): the
+# time is set by the blocks' serial K loops, not by the GPU's width, so about one block per SM is
+# best: a matrix of >= WGMMA_WIDE_TILES row tiles runs unsplit in one token tile (BT = 32, 64 or
+# 128, the fewest padded tokens); a narrower one (the 4096-row matrices) in 32- or 64-token tiles
+# with K split until tiles x parts would pass one wave.
+WGMMA_BTS = (32, 64, 128, 256)
+WGMMA_KPS = (1, 2, 4)
 # Ubatches of at least this many tokens run their q4_K and q6_K GEMMs on wgmma (engine.gpu.model):
-# from hopper_bench, wgmma beats the MMQ at T = 256 by 1.7-2.3x on every 7B shape (perf-log
-# Session 12).
-WGMMA_MIN_TOKENS = 256
+# from hopper_bench (H200, Session 13) wgmma beats the MMQ / small-batch kernels on every 7B shape
+# at T = 32 (1.0-1.6x, one tie: q4_K 4096x11008), 64 (1.2-2.2x) and 128 (1.3-2.9x).
+WGMMA_MIN_TOKENS = 17
 WGMMA_STAGES = 4
 WGMMA_WAVE_SMS = 132
+WGMMA_WIDE_TILES = 80
 
 
-def wgmma_bt(T: int, N: int) -> int:
-    tiles_256 = -(-T // 256) * (N // 128)
-    return 256 if tiles_256 >= 2 * WGMMA_WAVE_SMS else 128
+def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
+    """(BT, KP) of the production launch for T tokens of an N x K matrix."""
+    tiles = N // 128
+    if T > 128:
+        tiles_256 = -(-T // 256) * tiles
+        return (256 if tiles_256 >= 2 * WGMMA_WAVE_SMS else 128), 1
+    bt = next(b for b in WGMMA_BTS if b >= T)
+    if tiles >= WGMMA_WIDE_TILES:
+        return bt, 1
+    bt = min(bt, 64)
+    blocks = -(-T // bt) * tiles
+    kp = 1
+    while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_WAVE_SMS and 2 * kp <= K // 256:
+        kp *= 2
+    return bt, kp
 
 
-def _check_wgmma_config(kernel: str, bt: int, stages: int) -> None:
-    if bt not in WGMMA_BTS or not 3 <= stages <= 8:
-        raise ValueError(f"{kernel}: BT={bt} (128 or 256), STAGES={stages} (3..8) not supported")
+def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:
+    if bt not in WGMMA_BTS or not 3 <= stages <= 8 or kp not in (1, 2, 4, 8):
+        raise ValueError(f"{kernel}: BT={bt} ({', '.join(map(str, WGMMA_BTS))}), STAGES={stages} (3..8), "
+                         f"KP={kp} (1, 2, 4, 8) not supported")
 
 
-def wgmma_instance(bt: int, stages: int = WGMMA_STAGES) -> str:
-    _check_wgmma_config("wgmma_q4_k", bt, stages)
-    return f"wgmma_q4_k<{bt}, {stages}>"
+def wgmma_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+    _check_wgmma_config("wgmma_q4_k", bt, stages, kp)
+    return f"wgmma_q4_k<{bt}, {stages}>" if kp == 1 else f"wgmma_q4_k_kp<{bt}, {stages}, {kp}>"
 
 
-def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES) -> str:
+def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
     """kernels_cu/wgmma_q6_k.cu: PADDED selects the 224-byte (8-byte loads) or the raw 210-byte
     block layout (2-byte loads), bit-identical results."""
-    _check_wgmma_config("wgmma_q6_k", bt, stages)
-    return f"wgmma_q6_k<{'true' if padded else 'false'}, {bt}, {stages}>"
+    _check_wgmma_config("wgmma_q6_k", bt, stages, kp)
+    p = "true" if padded else "false"
+    return f"wgmma_q6_k<{p}, {bt}, {stages}>" if kp == 1 else f"wgmma_q6_k_kp<{p}, {bt}, {stages}, {kp}>"
+
+
+# (BT, KP) of every instance wgmma_config can return (KP = 8 compiles on demand for measurements).
+WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS) + ((128, 1), (256, 1))
 
 
 # ----------------------------------------------------------------------------- decode
@@ -287,8 +313,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
-    "wgmma_q4_k.cu": tuple(wgmma_instance(bt) for bt in WGMMA_BTS),
-    "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt) for p in (True, False) for bt in WGMMA_BTS),
+    "wgmma_q4_k.cu": tuple(wgmma_instance(bt, kp=kp) for bt, kp in WGMMA_LAUNCHED),
+    "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
     "wgmma_act.cu": ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",

@@ -3,11 +3,13 @@ with q4_K / q6_K weights dequantized to f16 in registers and f16 activations in 
 tiled, permuted layout (one operand for both formats); on the current stream, no sync.
 
     xt = tile_x16(x)                                  # float32 [T, K] -> float16 [K/64, ceil(T/8), 8, 8, 8]
-    y = wgmma_q4k(weight, xt, T, out, bt, stages)     # DeviceWeight q4_K [N, K] -> float32 [T, N]
-    y = wgmma_q6k(weight, xt, T, out, bt, stages)     # DeviceWeight q6_K (padded or raw), same xt
+    y = wgmma_q4k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q4_K [N, K] -> float32 [T, N]
+    y = wgmma_q6k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q6_K (padded or raw), same xt
 
-Grid: (ceil(T / bt) token tiles, N / 128 row tiles), 256 threads (two warpgroups of 64 rows),
-`stages` activation buffers of bt x 64 f16 (and their mbarriers) in dynamic shared memory.
+Grid: (ceil(T / bt) token tiles, N / 128 row tiles, kp K-parts), 256 threads (two warpgroups of
+64 rows), `stages` activation buffers of bt x 64 f16 (and their mbarriers) in dynamic shared
+memory; kp > 1: clusters of the kp blocks of one output tile (the *_kp instances).
+bt, stages, kp default to the production choice (registry.wgmma_config, WGMMA_STAGES).
 """
 from __future__ import annotations
 
@@ -27,8 +29,13 @@ THREADS = 256         # WG_THREADS
 BK = 64               # WG_BK
 
 
-def smem_bytes(bt: int, stages: int) -> int:
-    return stages * (bt * BK * 2 + 8)          # buffers, then one mbarrier each
+def smem_bytes(bt: int, stages: int, kp: int = 1) -> int:
+    """wgmma_common.cuh wg_stage_area (the stage buffers; with kp > 1 at least the partial tile
+    of bt x 128 floats), then one 8-byte mbarrier per stage."""
+    area = stages * bt * BK * 2
+    if kp > 1:
+        area = max(area, bt * ROWS * 4)
+    return area + 8 * stages
 
 
 def tiled_shape(T: int, K: int) -> tuple[int, int, int, int, int]:
@@ -61,10 +68,10 @@ def tile_x16(x, out=None):
     return out
 
 
-def _launch(op: str, fname: str, instance: Callable[[int, int], str], weight: DeviceWeight, xt, T: int, out,
-            bt: int | None, stages: int | None):
-    """The shared checks and launch of the wgmma GEMMs: `instance` is a function (bt, stages) ->
-    the template instance of kernels_cu/<fname>."""
+def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weight: DeviceWeight, xt, T: int, out,
+            bt: int | None, stages: int | None, kp: int | None):
+    """The shared checks and launch of the wgmma GEMMs: `instance` is a function (bt, stages, kp)
+    -> the template instance of kernels_cu/<fname>."""
     import cupy as cp
 
     N, K = weight.rows, weight.cols
@@ -76,31 +83,37 @@ def _launch(op: str, fname: str, instance: Callable[[int, int], str], weight: De
     check_dev(out, np.float32, (T, N), f"{op} out")
     if T == 0:
         return out
-    bt = bt or registry.wgmma_bt(T, N)
+    if bt is None:                             # the production choice; a given bt runs unsplit unless kp says
+        bt, auto_kp = registry.wgmma_config(T, N, K)
+        kp = kp or auto_kp
+    kp = kp or 1
     stages = stages or registry.WGMMA_STAGES
-    smem = smem_bytes(bt, stages)
-    k = kernels.get_kernel(fname, instance(bt, stages), dynamic_smem=smem)
-    k((-(-T // bt), N // ROWS), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
+    if kp > K // 256:
+        raise ValueError(f"{op}: {kp} K-parts of {K // 256} super-blocks (at most one part per super-block)")
+    smem = smem_bytes(bt, stages, kp)
+    k = kernels.get_kernel(fname, instance(bt, stages, kp), dynamic_smem=smem)
+    k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
       shared_mem=smem)
     return out
 
 
-def wgmma_q4k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None):
-    """y[T, N] (float32) = x . W^T for a q4_K DeviceWeight and xt = tile_x16(x); bt by default
-    from registry.wgmma_bt."""
+def wgmma_q4k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None,
+              kp: int | None = None):
+    """y[T, N] (float32) = x . W^T for a q4_K DeviceWeight and xt = tile_x16(x) (module docstring)."""
     if weight.ggml_type != GGML_Q4_K:
         raise ValueError(f"wgmma_q4k: weight type {weight.type_name} is not q4_K")
-    return _launch("wgmma_q4k", FILE, registry.wgmma_instance, weight, xt, T, out, bt, stages)
+    return _launch("wgmma_q4k", FILE, registry.wgmma_instance, weight, xt, T, out, bt, stages, kp)
 
 
-def wgmma_q6k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None):
+def wgmma_q6k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None,
+              kp: int | None = None):
     """y[T, N] (float32) = x . W^T for a q6_K DeviceWeight (padded 224-byte or raw 210-byte
     blocks, weight.padded; the same result bit for bit) and xt = tile_x16(x), the operand the
-    q4_K GEMM reads; bt by default from registry.wgmma_bt."""
+    q4_K GEMM reads (module docstring)."""
     if weight.ggml_type != GGML_Q6_K:
         raise ValueError(f"wgmma_q6k: weight type {weight.type_name} is not q6_K")
-    return _launch("wgmma_q6k", Q6_FILE, lambda bt, st: registry.wgmma_q6_instance(weight.padded, bt, st),
-                   weight, xt, T, out, bt, stages)
+    return _launch("wgmma_q6k", Q6_FILE, lambda bt, st, kp: registry.wgmma_q6_instance(weight.padded, bt, st, kp),
+                   weight, xt, T, out, bt, stages, kp)
 
 
 def wgmma(weight: DeviceWeight, xt, T: int, out=None):
