@@ -1,7 +1,7 @@
 """Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu) beside the production MMQ and cuBLAS f16, same run.
 
     python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,32x4k4,..] [--shapes q4_k:NxK,..]
-                               [--reps 20] [--json OUT]
+                               [--reps 20] [--json OUT] [--wgmma-only]
 
 Per q4_K / q6_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
 that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES[kKP] ("auto": registry.wgmma_config; kKP: K in KP parts), its activation
@@ -36,7 +36,7 @@ def parse_config(cfg: str) -> tuple[int | None, int | None, int | None]:
     return bt, st, int(kp or 1)
 
 
-def run(tokens, configs, shapes, reps=20, seed=7, log=print):
+def run(tokens, configs, shapes, reps=20, seed=7, log=print, baselines=True):
     import cupy as cp
 
     from engine.gpu.ops import mmq as gpu_mmq
@@ -64,12 +64,14 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print):
             y = cp.empty((T, N), dtype=cp.float32)
             y16 = cp.empty((T, N), dtype=cp.float16)
             flops = 2.0 * T * N * K
-            t_cub = gt(lambda c: cp.matmul(x16, w16c[c % len(w16c)].T, out=y16), len(w16c),
-                       capture=False)["median_ms"]   # cuBLAS refuses stream capture
             v = gpu_mmq.choose_variant(kind, T, N)
-            t_mmq = gt(lambda c: gpu_mmq.mmq(copies[c], act, out=y, variant=v), len(copies))["median_ms"]
-            t_q8 = gt(lambda c: gpu_mmq.quantize_q8_1(x, out=act), 4)["median_ms"]
-            t_tile = gt(lambda c: tile_x16(x, out=xt), 4)["median_ms"]
+            t_cub = t_mmq = t_q8 = t_tile = float("nan")
+            if baselines:
+                t_cub = gt(lambda c: cp.matmul(x16, w16c[c % len(w16c)].T, out=y16), len(w16c),
+                           capture=False)["median_ms"]   # cuBLAS refuses stream capture
+                t_mmq = gt(lambda c: gpu_mmq.mmq(copies[c], act, out=y, variant=v), len(copies))["median_ms"]
+                t_q8 = gt(lambda c: gpu_mmq.quantize_q8_1(x, out=act), 4)["median_ms"]
+                t_tile = gt(lambda c: tile_x16(x, out=xt), 4)["median_ms"]
             base = {"kind": kind, "N": N, "K": K, "T": T, "cublas_ms": t_cub, "mmq_variant": v,
                     "mmq_ms": t_mmq, "q8_ms": t_q8, "tile_ms": t_tile, "weight_bytes": wd.nbytes,
                     "mmq_gbs": wd.nbytes / t_mmq * 1e-6}
@@ -106,10 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--wgmma-only", action="store_true", help="skip cuBLAS, MMQ and the activation passes")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     configs = a.configs.split(",")
-    rows = run(tokens, configs, parse_shapes(a.shapes) if a.shapes else SHAPES, reps=a.reps)
+    rows = run(tokens, configs, parse_shapes(a.shapes) if a.shapes else SHAPES, reps=a.reps, baselines=not a.wgmma_only)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -8,7 +8,7 @@
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab, hopper, hopper_pp); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -86,14 +86,15 @@ step_small() {
 
 # Nsight Compute stall profile of the GEMM kernels (NCU_ARGS: ';'-separated "T N K [VARIANT]" for
 # ncu_mmq.py; each profiles the second launch of the q4_K and the q6_K kernel; NCU_SOURCE=1 also
-# writes ncu_src_<i>.csv, the q4_K kernel's stall samples per SASS instruction).
+# writes ncu_src_<i>.csv, the q4_K kernel's stall samples per SASS instruction). NCU_KERNELS /
+# NCU_SRC_KERNEL: the kernel-name regexes (e.g. wgmma_q / wgmma_q4 with VARIANT wgmma).
 step_ncu() {
   local ncu rc=0 args i=0; ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
   IFS=';' read -ra runs <<< "${NCU_ARGS:-3314 11008 4096}"
   for args in "${runs[@]}"; do
     i=$((i + 1))
-    "$ncu" --clock-control none --kernel-name regex:"mm(q|sb|vq)_q" --launch-skip 2 --launch-count 2 \
+    "$ncu" --clock-control none --kernel-name regex:"${NCU_KERNELS:-mm(q|sb|vq)_q}" --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
         --section LaunchStats --section InstructionStats \
@@ -101,11 +102,11 @@ step_ncu() {
         python3 -m dev.ncu_mmq $args > "$OUT/ncu_$i.txt" 2>&1 || rc=1
     echo "--- ncu $args"
     if [ -n "${NCU_SOURCE:-}" ]; then   # per-SASS-instruction stall samples of the q4_K kernel
-      "$ncu" --clock-control none --kernel-name regex:"mm(q|sb)_q4" --launch-skip 1 --launch-count 1 \
+      "$ncu" --clock-control none --kernel-name regex:"${NCU_SRC_KERNEL:-mm(q|sb)_q4}" --launch-skip 1 --launch-count 1 \
           --section SourceCounters -f -o "/tmp/ncu_src_$i" python3 -m dev.ncu_mmq $args > /dev/null 2>&1 &&
       "$ncu" -i "/tmp/ncu_src_$i.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src_$i.csv" 2>&1 || rc=1
     fi
-    grep -E "mm(q|sb|vq)_q|stalled_(long|short|barrier|wait|math|mio|lg|not_sel|selected|dispatch|drain|imc|no_inst|branch|membar|sleep|tex)|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Eligible Warps|Waves Per SM|Block Limit" "$OUT/ncu_$i.txt" | cut -c1-130 | head -80
+    grep -E "mm(q|sb|vq)_q|wgmma_q|stalled_(long|short|barrier|wait|math|mio|lg|not_sel|selected|dispatch|drain|imc|no_inst|branch|membar|sleep|tex)|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Eligible Warps|Waves Per SM|Block Limit" "$OUT/ncu_$i.txt" | cut -c1-130 | head -80
   done
   return $rc
 }
@@ -191,6 +192,30 @@ step_hopper() {
   python3 -m dev.hopper_bench --tokens "${HOPPER_TOKENS:-512,3314}" --configs "${HOPPER_CONFIGS:-auto,128x4,256x4}" \
       ${HOPPER_SHAPES:+--shapes $HOPPER_SHAPES} --json "$OUT/hopper.json" 2>&1 | tee "$OUT/hopper.log"
   return "${PIPESTATUS[0]}"
+}
+
+# Compile-time variants of the Hopper GEMMs side by side: HOPPER_DEFS, ';'-separated
+# GGUF_PREFILL_KERNEL_DEFINES values ("" = the default), each through hopper_bench --wgmma-only in
+# its own process (HOPPER_TOKENS, HOPPER_CONFIGS default auto, HOPPER_SHAPES); per variant and T
+# the summed time over the shapes, and whether every output was within the bound.
+step_hopper_defs() {
+  local rc=0 i=0 d defs
+  IFS=';' read -ra defs <<< "${HOPPER_DEFS:-}"
+  for d in "${defs[@]}"; do
+    GGUF_PREFILL_KERNEL_DEFINES="$d" python3 -m dev.hopper_bench --wgmma-only --tokens "${HOPPER_TOKENS:-32,64,128}" \
+        --configs "${HOPPER_CONFIGS:-auto}" ${HOPPER_SHAPES:+--shapes $HOPPER_SHAPES} --reps "${HOPPER_REPS:-20}" \
+        --json "$OUT/hopper_def$i.json" > "$OUT/hopper_def$i.log" 2>&1 || rc=1
+    python3 - "$OUT/hopper_def$i.json" "${d:-(default)}" <<'PY' || rc=1
+import collections, json, sys
+rows = json.load(open(sys.argv[1]))
+tot, ok = collections.defaultdict(float), all(r["ok"] for r in rows)
+for r in rows:
+    tot[(r["T"], r["config"])] += r["wgmma_ms"] * 1000
+print(f"{sys.argv[2]:>50s}: " + "  ".join(f"T={t} {c} {v:7.1f} us" for (t, c), v in sorted(tot.items())) + f"  ok={ok}")
+PY
+    i=$((i + 1))
+  done
+  return $rc
 }
 
 # The Hopper route in the whole model (issue 14): `bench` on synthetic models (HOPPER_PP_SHAPES,
