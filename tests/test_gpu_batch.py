@@ -165,16 +165,18 @@ def test_scheduler_greedy_equals_alone(models, name):
     prompts = [rng.integers(0, V, int(rng.integers(4, 200))).tolist() for _ in range(12)]
     res, mixed = _sched_run(gpu.batch(5, 512), prompts, 16, 96)
     assert mixed > 0
+    res2, _ = _sched_run(gpu.batch(5, 512), prompts, 16, 96)
+    assert [r.tokens for r in res] == [r.tokens for r in res2]      # the same steps: the same bits
+    # Without overlap the steps lack the dropped extra token of a sequence that just ended, so a
+    # step may fall in another power-of-two bucket and, on sm_90, across the 17-token line
+    # between the q8_1 kernels and the f16 wgmma ones: compared by the margin rule, like alone.
+    res3, _ = _sched_run(gpu.batch(5, 512), prompts, 16, 96, overlap=False)
     compared = 0
-    for p, r in zip(prompts, res):
+    for p, r, r3 in zip(prompts, res, res3):
         alone = generate(gpu, p, len(r.tokens), need_logits=True)   # the single-stream session, with margins
-        for i, (a, g) in enumerate(zip(alone.tokens, r.tokens)):
+        for i, a in enumerate(alone.tokens):
             if alone.margins[i] < 0.5:
                 break
-            assert g == a, (name, i, alone.margins[i])
+            assert r.tokens[i] == a and r3.tokens[i] == a, (name, i, alone.margins[i])
             compared += 1
     print(name, "tokens compared", compared)
-    res2, _ = _sched_run(gpu.batch(5, 512), prompts, 16, 96)
-    assert [r.tokens for r in res] == [r.tokens for r in res2]
-    res3, _ = _sched_run(gpu.batch(5, 512), prompts, 16, 96, overlap=False)   # the same steps
-    assert [r.tokens for r in res] == [r.tokens for r in res3]
