@@ -141,6 +141,15 @@ __device__ __forceinline__ u32 f32_to_h2_bcast(float x) {   // (f16(x), f16(x)),
     return (u32)f32_to_f16_rn(x) * 0x10001u;
 }
 
+// (a & MASK) | OR in one LOP3 (C++ `(a & m) | c` compiles to two: SASS LOP3 takes one immediate,
+// and ptxas does not keep the other constant in a register on its own).
+template <u32 MASK, u32 OR>
+__device__ __forceinline__ u32 and_or(u32 a) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "n"(OR));   // 0xEA = (a & b) | c
+    return d;
+}
+
 __device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }

@@ -41,37 +41,31 @@ static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, i
 }
 
 // (scale, -min) f16x2 pairs of sub-blocks 2t (lo) and 2t+1 (hi) of one row from its header.
+// Without branches (lanes t < 2 and t >= 2 of one warp took different paths): bytes k, k + 1
+// (k = 2t mod 4) of scales[0..3] (A), [4..7] (B) and [8..11] (C) side by side in one word each;
+// sub-blocks j < 4 (t < 2): scale = A & 63, min = B & 63; j >= 4: scale = C & 15 | (A >> 6) << 4,
+// min = C >> 4 | (B >> 6) << 4, both bytes of a word at once.
 static __device__ __forceinline__ void row_scales(const uint4& h, int t, u32& s_lo, u32& m_lo, u32& s_hi, u32& m_hi) {
     const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
-    const u32 sc[3] = {h.y, h.z, h.w};                 // scales[0..11]
-    int s[2], m[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int j = 2 * t + i;                       // run-time j: byte extraction by shifts
-        const u32 bj = (sc[0] >> (8 * (j & 3))) & 0xFF, bj4 = (sc[1] >> (8 * (j & 3))) & 0xFF;
-        const u32 bj8 = (sc[2] >> (8 * (j & 3))) & 0xFF;
-        if (j < 4) {
-            s[i] = bj & 63;
-            m[i] = bj4 & 63;
-        } else {                                       // j - 4 in 0..3: bytes j-4 (sc[0]), j (sc[1]), j+4 (sc[2])
-            s[i] = (bj8 & 0xF) | ((bj >> 6) << 4);
-            m[i] = (bj8 >> 4) | ((bj4 >> 6) << 4);
-        }
-    }
-    s_lo = f32_to_h2_bcast(d * (float)s[0]);
-    s_hi = f32_to_h2_bcast(d * (float)s[1]);
-    m_lo = f32_to_h2_bcast(dmin * (float)m[0]) ^ 0x80008000u;   // -m' (exact negation)
-    m_hi = f32_to_h2_bcast(dmin * (float)m[1]) ^ 0x80008000u;
+    const u32 sel = (t & 1) ? 0x3232u : 0x1010u;
+    const u32 A = __byte_perm(h.y, 0, sel), B = __byte_perm(h.z, 0, sel), C = __byte_perm(h.w, 0, sel);
+    const bool upper = t >= 2;
+    const u32 sc = upper ? ((C & 0x0F0Fu) | ((A >> 2) & 0x3030u)) : (A & 0x3F3Fu);
+    const u32 mn = upper ? (((C >> 4) & 0x0F0Fu) | ((B >> 2) & 0x3030u)) : (B & 0x3F3Fu);
+    s_lo = f32_to_h2_bcast(d * (float)(sc & 0xFF));
+    s_hi = f32_to_h2_bcast(d * (float)((sc >> 8) & 0xFF));
+    m_lo = f32_to_h2_bcast(dmin * (float)(mn & 0xFF)) ^ 0x80008000u;   // -m' (exact negation)
+    m_hi = f32_to_h2_bcast(dmin * (float)((mn >> 8) & 0xFF)) ^ 0x80008000u;
 }
 
 // Word -> the two k16 steps' registers of one row: lo = step 2m (cols 2t.., 2t+8..), hi = step 2m+1.
 static __device__ __forceinline__ void dequant_word(u32 w, u32 s_lo, u32 m_lo, u32 s_hi, u32 m_hi,
                                                 u32& lo_a, u32& lo_b, u32& hi_a, u32& hi_b) {
     const u32 w8 = w >> 8;
-    lo_a = h2_fma(h2_add((w & 0x000F000Fu) | H2_1024, H2_M1024), s_lo, m_lo);
-    lo_b = h2_fma(h2_add((w8 & 0x000F000Fu) | H2_1024, H2_M1024), s_lo, m_lo);
-    hi_a = h2_fma(h2_fma((w & 0x00F000F0u) | H2_1024, H2_1_16, H2_M64), s_hi, m_hi);
-    hi_b = h2_fma(h2_fma((w8 & 0x00F000F0u) | H2_1024, H2_1_16, H2_M64), s_hi, m_hi);
+    lo_a = h2_fma(h2_add(and_or<0x000F000Fu, H2_1024>(w), H2_M1024), s_lo, m_lo);
+    lo_b = h2_fma(h2_add(and_or<0x000F000Fu, H2_1024>(w8), H2_M1024), s_lo, m_lo);
+    hi_a = h2_fma(h2_fma(and_or<0x00F000F0u, H2_1024>(w), H2_1_16, H2_M64), s_hi, m_hi);
+    hi_b = h2_fma(h2_fma(and_or<0x00F000F0u, H2_1024>(w8), H2_1_16, H2_M64), s_hi, m_hi);
 }
 
 static __device__ __forceinline__ void scales(Sc& sc, const Sb& s, int t) {
