@@ -1,7 +1,7 @@
 """SASS of one kernel instance, built on the CPU (NVRTC PTX -> ptxas -> nvdisasm): instruction
 counts by opcode, so a kernel change's instruction mix is read without device time.
 
-    python -m dev.sass_dump mmsb_q4_k.cu "mmsb_q4_k<4, 2, 2>" [--sass] [--tools DIR ...]
+    python -m dev.sass_dump mmsb_q4_k.cu "mmsb_q4_k<4, 2, 2>" [--sass] [--loop] [--tools DIR ...]
 
 ptxas: the `nvidia-cuda-nvcc-cu12` wheel's bin/ptxas (the NVRTC of the same CUDA release, so
 the registers match ptxas's -v of the run-time build); nvdisasm: the `nvidia-cuda-nvdisasm`
@@ -59,12 +59,30 @@ def opcode_counts(sass: str) -> collections.Counter:
     return counts
 
 
+def main_loop_counts(sass: str) -> collections.Counter:
+    """Opcode counts of one pass of the kernel's main loop: of the backward branches, the one
+    whose body holds the most tensor-core instructions (HGMMA / HMMA / IMMA), the shortest such
+    body on a tie (the K loop of a GEMM, not a branch around it); empty if there is none."""
+    lines = sass.splitlines()
+    labels = {l.rstrip(":"): i for i, l in enumerate(lines) if re.match(r"\.L_x_\d+:", l)}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = "\n".join(lines[labels[m.group(1)]:i + 1])
+            key = (len(re.findall(r"\b(?:HGMMA|HMMA|IMMA)\b", body)), labels[m.group(1)] - i)
+            if key[0] and (best is None or key > best[0]):
+                best = (key, body)
+    return opcode_counts(best[1]) if best else collections.Counter()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("file")
     ap.add_argument("instance")
     ap.add_argument("--tools", nargs="*", default=[])
     ap.add_argument("--sass", action="store_true", help="print the whole listing")
+    ap.add_argument("--loop", action="store_true", help="also the opcode counts of one pass of the main (K) loop")
     a = ap.parse_args()
     arch = "90a" if a.file in kernels.SM90A_FILES else "90"     # wgmma needs the arch-specific target
     text, lowered = ptx(a.file, a.instance, f"compute_{arch}")
@@ -86,6 +104,10 @@ def main() -> None:
             print(line.strip())
     print(f"{a.instance}: {sum(counts.values())} instructions (static)")
     print("  " + "  ".join(f"{op} {n}" for op, n in counts.most_common()))
+    if a.loop:
+        loop = main_loop_counts(sass)
+        print(f"main loop, one pass: {sum(loop.values())} instructions")
+        print("  " + "  ".join(f"{op} {n}" for op, n in loop.most_common()))
 
 
 if __name__ == "__main__":
