@@ -1,7 +1,7 @@
 // wgmma_common.cuh: the Hopper (sm_90a) prefill GEMM pipeline shared by every weight format,
 // y[T, N] = x[T, K] . W[N, K]^T with W dequantized to f16 in registers (the A operand of
-// wgmma.m64n128k16, f32 accumulation over the whole K) and x in f16 from shared memory (the B
-// operand). Issue 14, route (b). A weight format is a policy WT (wgmma_q4_k.cu, wgmma_q6_k.cu):
+// wgmma.m64nBNk16, BN = min(BT, 128) tokens, f32 accumulation over the block's K range) and x in
+// f16 from shared memory (the B operand). Issues 14 (route (b)) and 12 (small batches). A weight format is a policy WT (wgmma_q4_k.cu, wgmma_q6_k.cu):
 //   WT::BLOCK_BYTES                       bytes of one 256-element super-block in a row
 //   WT::Sb, WT::load(sb, r0, r1, b, t)   lane t's registers of super-block b of rows r0, r1
 //   WT::Sc, WT::scales(sc, sb, t)        their f16x2 scale operands
@@ -30,8 +30,9 @@
 //   (n / 8) * 1024 + (k / 8) * 128 + (n % 8) * 16 + (k % 8) * 2.
 // Descriptor: LBO (next 8 k) = 128 B, SBO (next 8 tokens) = 1024 B; k16 step s starts at 256 s.
 //
-// Grid: x = token tile (fastest, so the blocks in flight share few weight rows and each row tile
-// is read from DRAM about once), y = 128-row tile; 256 threads = 2 warpgroups x 64 rows.
+// Grid: x = token tile of BT (fastest, so the blocks in flight share few weight rows and each row
+// tile is read from DRAM about once), y = 128-row tile, z = K part (KP > 1: clusters of the KP
+// parts of one tile, summed at the end; wgmma_gemm); 256 threads = 2 warpgroups x 64 rows.
 // Pipeline: STAGES buffers, each filled by one cp.async.bulk copy (async proxy, completion
 // counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup waits for
 // stage j's mbarrier, builds its A fragments while its wgmmas of stage j - 1 run, issues stage j,
@@ -77,7 +78,7 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// D[64 x BN] += A[64 x 16] (registers) . B[16 x BN] (shared, K-major, descriptor), BN = 16 .. 128:
+// D[64 x BN] += A[64 x 16] (registers) . B[16 x BN] (shared, K-major, descriptor), BN = 32, 64, 128:
 // BN / 2 f32 accumulators per thread (d[4 i + e]: row g + 8 (e >> 1), column 8 i + 2 t + (e & 1)).
 #define WG_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
 #define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
@@ -85,11 +86,6 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
 #define WG_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
 template <int BN>
 __device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc);
-template <>
-__device__ __forceinline__ void wgmma_n<16>(float (&d)[8], const u32 (&a)[4], u64 desc) {
-    asm volatile(WG_PRED WG_MMA(16) "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-                 : WG_D4(0), WG_D4(1) : WG_A4);
-}
 template <>
 __device__ __forceinline__ void wgmma_n<32>(float (&d)[16], const u32 (&a)[4], u64 desc) {
     asm volatile(WG_PRED WG_MMA(32)
@@ -160,7 +156,7 @@ __device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
 // Tokens per wgmma (BN) and wgmmas per k16 step (NH) of a BT-token tile.
 template <int BT>
 struct WgTile {
-    static_assert(BT == 16 || BT == 32 || BT == 64 || BT == 128 || BT == 256, "BT: 16, 32, 64, 128 or 256");
+    static_assert(BT == 32 || BT == 64 || BT == 128 || BT == 256, "BT: 32, 64, 128 or 256");
     enum { BN = BT < 128 ? BT : 128, NH = BT / BN, NACC = BN / 2 };
 };
 
