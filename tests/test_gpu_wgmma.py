@@ -5,7 +5,8 @@ poisoned outputs; q6_K in both block layouts (padded 224-byte and raw 210-byte: 
 Checked: the activation tiling kernel == the numpy tiling bit for bit (f16 rounding and the zero
 tokens past T included); every output element within engine.reference.wgmma.wgmma_error_bound of
 the oracle on the kernel's own operands (f16-dequantized weights, f16 activations); ragged token
-counts (token groups never copied), both token tiles, stage counts from 3 to 6. The worst ratio |y - ref| / bound goes to GPU_REPORT.
+counts (token groups never copied), every token tile (32 to 256), stage counts from 3 to 6, and K
+split in 2 to 8 parts across a cluster (uneven parts; a rerun gives the same bits). The worst ratio |y - ref| / bound goes to GPU_REPORT.
 """
 from __future__ import annotations
 
