@@ -43,6 +43,7 @@
 // register-direct, one super-block ahead (Sb), or per stage PF stages ahead (St; q6_K).
 #pragma once
 #include "common.cuh"
+#include "f16x2.cuh"
 #include "x16_tiles.cuh"
 
 #define WG_BK 64                       // k per activation stage
@@ -118,40 +119,6 @@ __device__ __forceinline__ void wgmma_n<128>(float (&d)[64], const u32 (&a)[4], 
 #undef WG_MMA
 #undef WG_PRED
 
-__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-__device__ __forceinline__ u32 h2_add(u32 a, u32 b) {
-    u32 r;
-    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 f32_to_h2_bcast(float x) {   // (f16(x), f16(x)), round to nearest
-    return (u32)f32_to_f16_rn(x) * 0x10001u;
-}
-
-// (a & MASK) | OR in one LOP3 (C++ `(a & m) | c` compiles to two: SASS LOP3 takes one immediate,
-// and ptxas does not keep the other constant in a register on its own).
-template <u32 MASK, u32 OR>
-__device__ __forceinline__ u32 and_or(u32 a) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "n"(OR));   // 0xEA = (a & b) | c
-    return d;
-}
-
-__device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-#define H2_1024 0x64006400u            // (1024, 1024)
-#define H2_M1024 0xE400E400u           // (-1024, -1024)
 
 // Tokens per wgmma (BN) and wgmmas per k16 step (NH) of a BT-token tile.
 template <int BT>

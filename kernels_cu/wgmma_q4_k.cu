@@ -10,7 +10,10 @@
 // nibbles (element 64t + j = low nibble of byte j), 2t+1 in the high ones (64t + 32 + j).
 // Nibbles to f16 without conversions: (w & 0x000F000F) | 0x6400.. is the f16 pair 1024 + q;
 // (w & 0x00F000F0) | 0x6400.. is 1024 + 16 q; one HADD2 / HFMA2 leaves q exactly.
+#include "f16x2.cuh"
+#ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
+#endif
 
 #define H2_1_16 0x2C002C00u            // (1/16, 1/16)
 #define H2_M64 0xD400D400u             // (-64, -64)
@@ -92,6 +95,7 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const 
 }
 };
 
+#ifndef GGP_EMU
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
@@ -107,3 +111,4 @@ wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __rest
     pdl_entry();
     wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K);
 }
+#endif

@@ -5,6 +5,7 @@ and the stage ring), so the kernels' k order is checked without a GPU."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine.formats import quants as Q
 from engine.reference.mmq import random_blocks
@@ -295,3 +296,80 @@ def test_wgmma_config_choices():
         for N, K in ((4096, 4096), (4096, 11008), (11008, 4096), (32000, 4096), (1536, 8960), (256, 512)):
             bt, kp = registry.wgmma_config(T, N, K)
             assert (bt, kp) in registry.WGMMA_LAUNCHED and kp <= K // 256
+
+
+_Q4K_HARNESS = r'''
+// lane (g, t) of warp v: rows 16 v + g and 16 v + g + 8; out[v][lane][sb][jj][step][reg]
+extern "C" void q4k_policy_frags(const u8* W, int nrows, int nsb, u32* out) {
+    const size_t row_bytes = (size_t)nsb * WgQ4K::BLOCK_BYTES;
+    for (int v = 0; v < nrows / 16; ++v)
+        for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane >> 2, t = lane & 3;
+            const u8* r0 = W + (size_t)(16 * v + g) * row_bytes;
+            const u8* r1 = r0 + 8 * row_bytes;
+            for (int sb = 0; sb < nsb; ++sb) {
+                WgQ4K::Sb s;
+                WgQ4K::Sc sc;
+                WgQ4K::St st;
+                WgQ4K::load(s, r0, r1, sb, t);
+                WgQ4K::scales(sc, s, t);
+                for (int jj = 0; jj < 4; ++jj) {
+                    u32 a[4][4];
+                    WgQ4K::frags(a, s, st, jj, sc);
+                    u32* o = out + ((((size_t)v * 32 + lane) * nsb + sb) * 4 + jj) * 16;
+                    for (int i = 0; i < 16; ++i) o[i] = a[i / 4][i % 4];
+                }
+            }
+        }
+}
+'''
+
+
+def test_q4k_policy_on_cpu_matches_dequant(tmp_path):
+    """The q4_K weight policy of kernels_cu/wgmma_q4_k.cu (header load, 6-bit scales, nibbles to
+    f16 A fragments) compiled for the CPU (tests/cuda_emu/cuda_emu.h; f16x2.cuh's GGP_EMU ops round
+    once from exact values, as the PTX does) gives engine.reference.wgmma.dequant_q4_k_f16 bit for
+    bit, in the A-fragment order of wgmma_common.cuh, on random blocks with extreme scales."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from engine.gpu import kernels
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
+    src = tmp_path / "q4k_policy.cpp"
+    src.write_text(emu_h + "\n" + kernels.source("wgmma_q4_k.cu") + "\n" + _Q4K_HARNESS)
+    so = tmp_path / "q4k_policy.so"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
+                        "-o", str(so), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lib = ctypes.CDLL(str(so))
+
+    rng = np.random.default_rng(5)
+    N, K = 32, 1024
+    nsb = K // 256
+    w = random_blocks(rng, "q4_k", N, K, special=True)
+    out = np.zeros((N // 16, 32, nsb, 4, 4, 4), dtype=np.uint32)
+    wc = np.ascontiguousarray(w)
+    lib.q4k_policy_frags(ctypes.c_void_p(wc.ctypes.data), ctypes.c_int(N), ctypes.c_int(nsb),
+                         ctypes.c_void_p(out.ctypes.data))
+    w16 = dequant_q4_k_f16(w).view(np.uint16)
+    P = np.asarray(k_permutation())
+    want = np.zeros_like(out)
+    for v in range(N // 16):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for sb in range(nsb):
+                for jj in range(4):
+                    for s in range(4):
+                        step = 4 * jj + s
+                        for reg in range(4):
+                            row = 16 * v + g + 8 * (reg & 1)
+                            L = 16 * step + 2 * t + 8 * (reg >> 1)
+                            lo, hi = w16[row, 256 * sb + P[L]], w16[row, 256 * sb + P[L + 1]]
+                            want[v, lane, sb, jj, s, reg] = int(lo) | int(hi) << 16
+    bad = np.argwhere(out != want)
+    assert bad.size == 0, f"{len(bad)} of {out.size} fragment words differ, first at {bad[0].tolist()}"

@@ -187,6 +187,12 @@ inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) s += (int)(i8)(a >> (8 * i)) * (int)(i8)(b >> (8 * i));
     return s;
 }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {   // PRMT, default mode
+    const unsigned long long b = (unsigned long long)y << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((b >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+    return r;
+}
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
