@@ -10,7 +10,7 @@
 //                                        super-block j / 4), loaded PF stages ahead into a ring of
 //                                        PF slots (PF = 1, 2 or 4), for formats too large to hold
 //                                        a super-block twice (q6_K); PF = 0: none (empty St)
-//   WT::frags(a, sb, st, jj, sc)         k16 steps 4 jj .. 4 jj + 3 of the A fragment (st: the
+//   WT::frags(a, sb, st, jj, sc, t)      k16 steps 4 jj .. 4 jj + 3 of lane t's A fragment (st: the
 //                                        stage's slot)
 //
 // A fragment (as mma.m16n8k16: warp v of a warpgroup owns rows 16v..16v+15; lane (g, t) =
@@ -239,7 +239,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj, l = j - j0;                      // global and local stage
             mbar_wait(bars + 8 * (l % STAGES), (l / STAGES) & 1);       // stage l landed
-            WT::frags(a, cur, st[jj % NSLOT], jj, sc);
+            WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
             if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
                 if (l + WT::PF < nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
             }

@@ -77,7 +77,7 @@ static __device__ __forceinline__ void scales(Sc& sc, const Sb& s, int t) {
 }
 
 // Stage jj (0..3) of a super-block: words 2jj, 2jj+1 of both rows -> 4 k16 steps x 4 registers.
-static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const St&, int jj, const Sc& sc) {
+static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const St&, int jj, const Sc& sc, int) {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
         const int m = 2 * jj + q;                      // word index 0..7, compile-time after unroll

@@ -22,7 +22,10 @@
 //   v4 = rotr(U, 4n - 2) & 0x3C3C3C3C | X & 0xC0C0C0C0    = 4 q      (step 2m + 1, hi = 1)
 // then PRMT puts bytes 0, 2 (1, 3) under 0x64: the f16 pair 1024 + q (1024 + 4 q, exact below
 // 2048); one HADD2 of -1056 (HFMA2 by 1/4 and -288) leaves q - 32 exactly, one HMUL2 scales it.
+#include "f16x2.cuh"
+#ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
+#endif
 
 #define H2_M1056 0xE420E420u           // (-1056, -1056)
 #define H2_M288 0xDC80DC80u            // (-288, -288)
@@ -108,8 +111,7 @@ static __device__ __forceinline__ u32 word(const St& st, int r, int k, int q) {
 }
 
 // Stage jj (0..3) of a super-block: words m = 2jj, 2jj+1 of both rows -> 4 k16 steps x 4 registers.
-static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb&, const St& st, int jj, const Sc& sc) {
-    const int t = threadIdx.x & 3;
+static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb&, const St& st, int jj, const Sc& sc, int t) {
     const u32 sl = 4 * (t & 1);                        // ql nibble shift 4n
     const u32 sx = 4 - sl, su = sl - 2;                // qh left shift 4 - 4n; U rotate 4n - 2 (mod 32)
 #pragma unroll
@@ -146,6 +148,7 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb&, const St
 template <int BT>
 constexpr int wg_q6_pf() { return BT >= 256 ? WG_Q6_PF256 : BT >= 128 ? WG_Q6_PF128 : WG_Q6_PF64; }
 
+#ifndef GGP_EMU
 template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
@@ -160,3 +163,4 @@ wgmma_q6_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __rest
     pdl_entry();
     wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(W, Xt, Y, T, N, K);
 }
+#endif

@@ -298,38 +298,45 @@ def test_wgmma_config_choices():
             assert (bt, kp) in registry.WGMMA_LAUNCHED and kp <= K // 256
 
 
-_Q4K_HARNESS = r'''
-// lane (g, t) of warp v: rows 16 v + g and 16 v + g + 8; out[v][lane][sb][jj][step][reg]
-extern "C" void q4k_policy_frags(const u8* W, int nrows, int nsb, u32* out) {
-    const size_t row_bytes = (size_t)nsb * WgQ4K::BLOCK_BYTES;
+# Lane (g, t) of warp v: rows 16 v + g and 16 v + g + 8; out[v][lane][sb][jj][step][reg], the
+# pipeline's calls in order (wgmma_common.cuh wgmma_gemm: load, scales, then per stage j = 4 sb + jj
+# load_stage and frags).
+_POLICY_HARNESS = r'''
+template <class WT>
+void policy_frags(const u8* W, int nrows, int nsb, u32* out) {
+    const size_t row_bytes = (size_t)nsb * WT::BLOCK_BYTES;
     for (int v = 0; v < nrows / 16; ++v)
         for (int lane = 0; lane < 32; ++lane) {
             const int g = lane >> 2, t = lane & 3;
             const u8* r0 = W + (size_t)(16 * v + g) * row_bytes;
             const u8* r1 = r0 + 8 * row_bytes;
             for (int sb = 0; sb < nsb; ++sb) {
-                WgQ4K::Sb s;
-                WgQ4K::Sc sc;
-                WgQ4K::St st;
-                WgQ4K::load(s, r0, r1, sb, t);
-                WgQ4K::scales(sc, s, t);
+                typename WT::Sb s;
+                typename WT::Sc sc;
+                WT::load(s, r0, r1, sb, t);
+                WT::scales(sc, s, t);
                 for (int jj = 0; jj < 4; ++jj) {
+                    typename WT::St st;
+                    if constexpr (WT::PF > 0) WT::load_stage(st, r0, r1, 4 * sb + jj, t);
                     u32 a[4][4];
-                    WgQ4K::frags(a, s, st, jj, sc);
+                    WT::frags(a, s, st, jj, sc, t);
                     u32* o = out + ((((size_t)v * 32 + lane) * nsb + sb) * 4 + jj) * 16;
                     for (int i = 0; i < 16; ++i) o[i] = a[i / 4][i % 4];
                 }
             }
         }
 }
+extern "C" void run_policy(const u8* W, int nrows, int nsb, u32* out) { policy_frags<POLICY>(W, nrows, nsb, out); }
 '''
 
 
-def test_q4k_policy_on_cpu_matches_dequant(tmp_path):
-    """The q4_K weight policy of kernels_cu/wgmma_q4_k.cu (header load, 6-bit scales, nibbles to
-    f16 A fragments) compiled for the CPU (tests/cuda_emu/cuda_emu.h; f16x2.cuh's GGP_EMU ops round
-    once from exact values, as the PTX does) gives engine.reference.wgmma.dequant_q4_k_f16 bit for
-    bit, in the A-fragment order of wgmma_common.cuh, on random blocks with extreme scales."""
+@pytest.mark.parametrize("kind,layout", [("q4_k", "raw"), ("q6_k", "padded"), ("q6_k", "raw")])
+def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
+    """The weight policies of kernels_cu/wgmma_q4_k.cu and wgmma_q6_k.cu (headers, scales, the
+    unpack to f16 A fragments; q6_K in both block layouts) compiled for the CPU
+    (tests/cuda_emu/cuda_emu.h; f16x2.cuh's GGP_EMU ops round once from exact values, as the PTX
+    does) give engine.reference.wgmma's dequantization bit for bit, in the A-fragment order of
+    wgmma_common.cuh, on random blocks with extreme scales."""
     import ctypes
     import shutil
     import subprocess
@@ -339,10 +346,12 @@ def test_q4k_policy_on_cpu_matches_dequant(tmp_path):
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
+    fname, policy = {("q4_k", "raw"): ("wgmma_q4_k.cu", "WgQ4K"), ("q6_k", "padded"): ("wgmma_q6_k.cu", "WgQ6K<true, 4>"),
+                     ("q6_k", "raw"): ("wgmma_q6_k.cu", "WgQ6K<false, 4>")}[kind, layout]
     emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
-    src = tmp_path / "q4k_policy.cpp"
-    src.write_text(emu_h + "\n" + kernels.source("wgmma_q4_k.cu") + "\n" + _Q4K_HARNESS)
-    so = tmp_path / "q4k_policy.so"
+    src = tmp_path / "policy.cpp"
+    src.write_text(emu_h + "\n" + kernels.source(fname) + f"\n#define POLICY {policy}\n" + _POLICY_HARNESS)
+    so = tmp_path / "policy.so"
     r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
                         "-o", str(so), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -351,12 +360,11 @@ def test_q4k_policy_on_cpu_matches_dequant(tmp_path):
     rng = np.random.default_rng(5)
     N, K = 32, 1024
     nsb = K // 256
-    w = random_blocks(rng, "q4_k", N, K, special=True)
+    w = random_blocks(rng, kind, N, K, special=True)
+    w16 = (dequant_q4_k_f16(w) if kind == "q4_k" else dequant_q6_k_f16(w)).view(np.uint16)
+    wdev = np.ascontiguousarray(Q.repack_q6_k_padded(w) if layout == "padded" else w)
     out = np.zeros((N // 16, 32, nsb, 4, 4, 4), dtype=np.uint32)
-    wc = np.ascontiguousarray(w)
-    lib.q4k_policy_frags(ctypes.c_void_p(wc.ctypes.data), ctypes.c_int(N), ctypes.c_int(nsb),
-                         ctypes.c_void_p(out.ctypes.data))
-    w16 = dequant_q4_k_f16(w).view(np.uint16)
+    lib.run_policy(ctypes.c_void_p(wdev.ctypes.data), ctypes.c_int(N), ctypes.c_int(nsb), ctypes.c_void_p(out.ctypes.data))
     P = np.asarray(k_permutation())
     want = np.zeros_like(out)
     for v in range(N // 16):
@@ -365,10 +373,9 @@ def test_q4k_policy_on_cpu_matches_dequant(tmp_path):
             for sb in range(nsb):
                 for jj in range(4):
                     for s in range(4):
-                        step = 4 * jj + s
                         for reg in range(4):
                             row = 16 * v + g + 8 * (reg & 1)
-                            L = 16 * step + 2 * t + 8 * (reg >> 1)
+                            L = 16 * (4 * jj + s) + 2 * t + 8 * (reg >> 1)
                             lo, hi = w16[row, 256 * sb + P[L]], w16[row, 256 * sb + P[L + 1]]
                             want[v, lane, sb, jj, s, reg] = int(lo) | int(hi) << 16
     bad = np.argwhere(out != want)

@@ -39,6 +39,7 @@ typedef unsigned long long u64;
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
@@ -192,6 +193,10 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {   // PRMT, def
     unsigned r = 0;
     for (int n = 0; n < 4; ++n) r |= (unsigned)((b >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
     return r;
+}
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {   // (hi:lo) >> (shift & 31)
+    const unsigned long long v = (unsigned long long)hi << 32 | lo;
+    return (unsigned)(v >> (shift & 31));
 }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
