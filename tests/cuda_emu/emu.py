@@ -1,5 +1,6 @@
 """A CPU stand-in for CuPy + the CUDA kernels, for checking the decode kernels' logic and the
-Python plumbing around them on a machine without a GPU (never used by CI or at run time).
+Python plumbing around them on a machine without a GPU (never used by CI or at run time; CI
+compiles only cuda_emu.h with the wgmma weight policies, tests/test_wgmma_reference.py).
 
     from tests.cuda_emu import emu
     emu.install()        # sys.modules["cupy"] = the fake; engine.gpu.kernels.get_kernel -> emulated
