@@ -91,13 +91,20 @@ def test_wgmma_q4k_vs_oracle(rng, T, N, K, bt, stages, kp):
     x = rng.standard_normal((T, K)).astype(np.float32)
     wd = upload_weight(w, "Q4_K")
     xt = gpu_tile(cp.asarray(x))
-    y = cp.full((T, N), np.nan, dtype=cp.float32)
-    wgmma_q4k(wd, xt, T, out=y, bt=bt, stages=stages, kp=kp)
-    _check_vs_oracle("wgmma_q4k", cp.asnumpy(y), dequant_q4_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages, kp=kp)
+    y = _run_poisoned(wgmma_q4k, wd, xt, T, N, bt=bt, stages=stages, kp=kp)
+    _check_vs_oracle("wgmma_q4k", y, dequant_q4_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages, kp=kp)
     if kp and kp > 1:                  # the parts add in a fixed order: a second run gives the same bits
-        y2 = cp.full((T, N), np.nan, dtype=cp.float32)
-        wgmma_q4k(wd, xt, T, out=y2, bt=bt, stages=stages, kp=kp)
-        assert np.array_equal(cp.asnumpy(y).view(np.uint32), cp.asnumpy(y2).view(np.uint32))
+        y2 = _run_poisoned(wgmma_q4k, wd, xt, T, N, bt=bt, stages=stages, kp=kp)
+        assert np.array_equal(y.view(np.uint32), y2.view(np.uint32))
+
+
+def _run_poisoned(gemm, wd, xt, T: int, N: int, **cfg) -> np.ndarray:
+    """gemm's output (host copy) written over NaN, so an unwritten element shows."""
+    import cupy as cp
+
+    y = cp.full((T, N), np.nan, dtype=cp.float32)
+    gemm(wd, xt, T, out=y, **cfg)
+    return cp.asnumpy(y)
 
 
 def _check_vs_oracle(test: str, y, w16, x, **case):
@@ -138,9 +145,7 @@ def test_wgmma_q6k_vs_oracle(rng, T, N, K, bt, stages, kp):
     for padded in (True, False):
         wd = upload_weight(w, "Q6_K", pad_q6k=padded)
         assert wd.padded == padded
-        y = cp.full((T, N), np.nan, dtype=cp.float32)
-        wgmma_q6k(wd, xt, T, out=y, bt=bt, stages=stages, kp=kp)
-        ys[padded] = cp.asnumpy(y)
+        ys[padded] = _run_poisoned(wgmma_q6k, wd, xt, T, N, bt=bt, stages=stages, kp=kp)
     assert np.array_equal(ys[True].view(np.uint32), ys[False].view(np.uint32)), "raw and padded layouts differ"
     _check_vs_oracle("wgmma_q6k", ys[True], dequant_q6_k_f16(w), x, T=T, N=N, K=K, bt=bt, stages=stages, kp=kp)
 

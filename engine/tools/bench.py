@@ -11,9 +11,9 @@ CPU with the host clock.
 
 --breakdown (GPU): one more, instrumented, run of each pp test with a CUDA event pair around
 every launch; the time is summed per op kind (ms and % of the instrumented forward) and rolled
-up into q4_K GEMMs, q6_K GEMMs, attention, norms/rope/rest, activation quantization. The
-rmsnorm and SwiGLU kernels quantize their own output to q8_1 (fused), so "activation
-quantization" is those fused kernels; attention's q8_1 output is inside "attention".
+up into q4_K GEMMs, q6_K GEMMs, attention, norms/rope/rest, activation producers. The
+rmsnorm and SwiGLU kernels write their own output as q8_1 or tiled f16 (fused), so "activation
+producers" is those fused kernels plus tile_x16; attention's q8_1 output is inside "attention".
 tg rows (-n, GPU): engine.gpu.decode.bench_decode, back-to-back replays of the decode graph of
 one session sized depth + n + 1, timed with CUDA events (only token ids come back).
 
@@ -35,22 +35,23 @@ from engine.errors import UsageError
 FILE_TYPES = {0: "F32", 1: "F16", 7: "Q8_0", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K"}
 
 # op kind (engine.gpu.model spans) -> issue category
+ACTIVATIONS = "activation producers (rmsnorm / swiglu fused with q8_1 or f16; tile_x16)"
 CATEGORIES = {
     "gemm_q4_k": "q4_K GEMMs",
     "gemm_q6_k": "q6_K GEMMs",
     "gemm_output_q6_k": "q6_K GEMMs",
     "gemm_output_q4_k": "q4_K GEMMs",
     "attention": "attention",
-    "rmsnorm_q8": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
-    "swiglu_q8": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
-    "rmsnorm_x16": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
-    "swiglu_x16": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
-    "tile_x16": "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)",
+    "rmsnorm_q8": ACTIVATIONS,
+    "swiglu_q8": ACTIVATIONS,
+    "rmsnorm_x16": ACTIVATIONS,
+    "swiglu_x16": ACTIVATIONS,
+    "tile_x16": ACTIVATIONS,
     "rope_kv": "norms/rope/rest",
     "embed": "norms/rope/rest",
 }
 CATEGORY_ORDER = ("q4_K GEMMs", "q6_K GEMMs", "attention", "norms/rope/rest",
-                  "activation quantization (fused: rmsnorm+q8_1, swiglu+q8_1)", "unattributed (gaps between launches)")
+                  ACTIVATIONS, "unattributed (gaps between launches)")
 
 
 @dataclass

@@ -10,8 +10,8 @@ grid, kernel choice, launch on the current stream, no synchronization.
     attention   prefill flash attention (one sequence, or varlen: a      attention_prefill.cu, attention_decode.cu
                 batched step's sequences); decode split + combine
     activation  SwiGLU + q8_1 or tiled f16 (prefill)                     swiglu.cu
-    wgmma       Hopper f16 GEMMs of long ubatches (sm_90), their tiled    wgmma_q4_k.cu, wgmma_act.cu
-                f16 operand
+    wgmma       Hopper f16 GEMMs of ubatches of >= 17 tokens (sm_90),     wgmma_q4_k.cu, wgmma_q6_k.cu,
+                their tiled f16 operand                                  wgmma_act.cu
     argmax      greedy ids of several logit rows (a batched step), and   argmax.cu (argmax_rows),
                 the follow tokens of overlapped steps                    follow_tokens.cu
     checks      verification kernels                                     q6k_expand_check.cu
