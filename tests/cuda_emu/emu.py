@@ -179,7 +179,9 @@ def _build(fname: str):
     # (common.cuh, numerics.cuh, ...; their GGP_EMU branches stand in for the PTX)
     src = kernels.source(fname)
     header = (HERE / "cuda_emu.h").read_text()
-    full_src = header + "\n" + src
+    # GGUF_PREFILL_KERNEL_DEFINES (engine.gpu.kernels.kernel_defines, -DNAME=VALUE) as #defines
+    defines = "".join(f"#define {d[2:].replace('=', ' ', 1)}\n" for d in kernels.kernel_defines())
+    full_src = defines + header + "\n" + src
     names = kernels.INSTANCES.get(fname, ())
     BUILD.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256((full_src + repr(names)).encode()).hexdigest()[:16]
