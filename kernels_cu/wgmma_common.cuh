@@ -54,6 +54,10 @@
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
+// The descriptor of saddr + off from that of saddr: the start field is bits 0..13 of the u64 (the
+// address / 16), and shared addresses stay below 2^18, so adding off / 16 never carries out of it
+// (one add instead of the mask-shift-or per wgmma).
+__device__ __forceinline__ u64 wg_desc_add(u64 desc, u32 off) { return desc + (off >> 4); }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -127,15 +131,16 @@ struct WgTile {
     enum { BN = BT < 128 ? BT : 128, NH = BT / BN, NACC = BN / 2 };
 };
 
+// The stage's 4 k16 steps x NH token halves; dbuf: the descriptor of the stage buffer.
 template <int BT>
 __device__ __forceinline__ void wg_issue_stage(float (&acc)[WgTile<BT>::NH][WgTile<BT>::NACC], const u32 (&a)[4][4],
-                                               u32 sbuf) {
+                                               u64 dbuf) {
     constexpr int BN = WgTile<BT>::BN;
 #pragma unroll
     for (int s = 0; s < 4; ++s)
 #pragma unroll
         for (int h = 0; h < WgTile<BT>::NH; ++h)
-            wgmma_n<BN>(acc[h], a[s], wg_desc(sbuf + h * (BN / 8) * 1024 + s * 256, 128, 1024));
+            wgmma_n<BN>(acc[h], a[s], wg_desc_add(dbuf, h * (BN / 8) * 1024 + s * 256));
 }
 
 // Thread-block clusters (the K-parts of one output tile, wgmma_gemm with KP > 1).
@@ -156,19 +161,12 @@ __device__ __forceinline__ float ld_dsmem_f32(u32 addr, u32 rank) {
     return v;
 }
 
-// Byte offset in Xt of the 1,024-byte piece (token group gi, k0 .. k0 + 63).
-__device__ __forceinline__ size_t wg_piece(int gi, int ngroups, int k0) {
-    return ((size_t)(k0 / WG_BK) * ngroups + gi) * 1024;
-}
-
-// Thread 0: the stage's token groups in one copy; groups past the last one are not copied (their
-// token columns are never stored).
-template <int BT>
-__device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* __restrict__ Xt, int ngroups, int g0,
-                                              int k0) {
-    const u32 bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
+// Thread 0: one stage's token groups in one copy from src (Xt's 64-k block of the stage, token
+// group g0: Xt + ((k0 / 64) * ngroups + g0) * 1024); `bytes`: the groups up to the last one
+// (the columns past it are never stored).
+__device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, u32 bytes) {
     mbar_arrive_expect_tx(bar, bytes);
-    bulk_g2s(sbuf, Xt + wg_piece(g0, ngroups, k0), bytes, bar);
+    bulk_g2s(sbuf, src, bytes, bar);
 }
 
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
@@ -204,6 +202,11 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const int sb0 = KP > 1 ? (int)(blockIdx.z * nsb_all / KP) : 0;
     const int sb1 = KP > 1 ? (int)((blockIdx.z + 1) * nsb_all / KP) : nsb_all;
     const int j0 = 4 * sb0, nst = 4 * (sb1 - sb0);              // this block's stages j0 .. j0 + nst - 1
+    // Stage l (local) of Xt: src0 + l * src_step; its buffer l % STAGES (unsigned: l >= 0).
+    const u8* src0 = Xt + ((size_t)j0 * ngroups + g0) * 1024;
+    const size_t src_step = (size_t)ngroups * 1024;
+    const u32 copy_bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
+    const u64 desc0 = wg_desc(s0, 128, 1024);                   // buffer b: + b * STAGE_BYTES
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -213,7 +216,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     __syncthreads();
     if (threadIdx.x == 0)
         for (int l = 0; l < STAGES && l < nst; ++l)
-            wg_bulk_stage<BT>(s0 + l * STAGE_BYTES, bars + 8 * l, Xt, ngroups, g0, (j0 + l) * WG_BK);
+            wg_bulk_stage(s0 + l * STAGE_BYTES, bars + 8 * l, src0 + l * src_step, copy_bytes);
 
     float acc[Tile::NH][Tile::NACC];
 #pragma unroll
@@ -237,21 +240,23 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-            const int j = sb * 4 + jj, l = j - j0;                      // global and local stage
-            mbar_wait(bars + 8 * (l % STAGES), (l / STAGES) & 1);       // stage l landed
+            const int j = sb * 4 + jj;                                  // global stage
+            const u32 l = (u32)(j - j0), buf = l % STAGES;              // local stage, its buffer
+            mbar_wait(bars + 8 * buf, (l / STAGES) & 1);                // stage l landed
             WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
             if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
-                if (l + WT::PF < nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
+                if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
             }
             wg_fence();
-            wg_issue_stage<BT>(acc, a, s0 + (l % STAGES) * STAGE_BYTES);
+            wg_issue_stage<BT>(acc, a, wg_desc_add(desc0, buf * STAGE_BYTES));
             wg_commit();
             wg_wait<1>();                              // stage l - 1 retired in this warpgroup
-            const int ln = l - 1 + STAGES;             // refill buffer l - 1 once both warpgroups retired it
+            const u32 ln = l - 1 + STAGES;             // refill buffer l - 1 once both warpgroups retired it
             __syncthreads();
-            if (threadIdx.x == 0 && l >= 1 && ln < nst)
-                wg_bulk_stage<BT>(s0 + (ln % STAGES) * STAGE_BYTES, bars + 8 * (ln % STAGES), Xt, ngroups, g0,
-                                  (j0 + ln) * WG_BK);
+            if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
+                const u32 bn = ln % STAGES;
+                wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
+            }
         }
         cur = nxt;
     }
