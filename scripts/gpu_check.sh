@@ -220,14 +220,14 @@ PY
 
 # The Hopper route in the whole model (issue 14): `bench` on synthetic models (HOPPER_PP_SHAPES,
 # default llama2-7b; HOPPER_PP token counts, HOPPER_PP_REST those of the shapes after the first) with the GEMMs on MMQ (GGUF_PREFILL_WGMMA=0) and on wgmma, same call, with the
-# per-op breakdown.
+# per-op breakdown (HOPPER_PP_MODES="1": the wgmma route alone).
 step_hopper_pp() {
   local shape m rc=0 mode pp="${HOPPER_PP:-512,3314}"
   for shape in ${HOPPER_PP_SHAPES:-llama2-7b}; do
     m=/tmp/$shape.gguf
     [ "$shape" = llama2-7b ] && m=/tmp/l7b.gguf
     [ -f "$m" ] || timeout 120 python3 -m engine synth --shape "$shape" --random-blocks "$m" || return 1
-    for mode in 0 1; do
+    for mode in ${HOPPER_PP_MODES:-0 1}; do
       GGUF_PREFILL_WGMMA=$mode timeout 300 python3 -m engine bench --model "$m" --device gpu -p "$pp" \
           -r "${HOPPER_REPS:-5}" --breakdown --json > "$OUT/hopper_pp_${shape}_$mode.json" 2> "$OUT/hopper_pp_${shape}_$mode.err" || rc=1
       echo "--- $shape GGUF_PREFILL_WGMMA=$mode"
