@@ -177,7 +177,8 @@ constexpr u32 wg_stage_area() {
     return (KP > 1 && BT * 512 > STAGES * BT * WG_BK * 2) ? BT * 512 : STAGES * BT * WG_BK * 2;
 }
 
-// The whole GEMM of one block (the __global__ wrappers call it after pdl_entry()). KP = 1: the
+// The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
+// it after pdl_entry(), tile = blockIdx.y, or a tile of one of two matrices: wgmma_pair.cu). KP = 1: the
 // block runs all of K. KP > 1: the grid's z = K-part, launched as clusters of KP blocks along z
 // (__cluster_dims__ on the wrapper): part p runs super-blocks nsb p / KP .. nsb (p + 1) / KP - 1,
 // then the parts add their f32 tiles through distributed shared memory, part 0 + part 1 + ... in
@@ -185,7 +186,7 @@ constexpr u32 wg_stage_area() {
 // storing every KP-th accumulator.
 template <class WT, int BT, int STAGES, int KP = 1>
 __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* __restrict__ Xt,
-                                           float* __restrict__ Y, int T, int N, int K) {
+                                           float* __restrict__ Y, int T, int N, int K, int tile) {
     extern __shared__ __align__(1024) u8 smem[];
     typedef WgTile<BT> Tile;
     const u32 s0 = smem_u32(smem);
@@ -193,7 +194,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const u32 bars = s0 + wg_stage_area<BT, STAGES, KP>();      // one 8-byte mbarrier per buffer
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.y * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
+    const int row0 = tile * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
     const int g0 = blockIdx.x * (BT / 8), ngroups = (T + 7) / 8;
     const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
     const u8* r0 = W + (size_t)row0 * row_bytes;

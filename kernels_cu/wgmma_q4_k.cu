@@ -100,7 +100,7 @@ template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4K, BT, STAGES>(W, Xt, Y, T, N, K);
+    wgmma_gemm<WgQ4K, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 
 // K split in KP parts, a cluster of KP blocks along the grid's z per output tile (few tokens:
@@ -109,6 +109,6 @@ template <int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K);
+    wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 #endif

@@ -160,6 +160,10 @@ def emu_wgmma(weight, xt, T, out=None):
     return out
 
 
+def emu_wgmma_pair(wa, wb, xt, T, out_a=None, out_b=None):
+    return emu_wgmma(wa, xt, T, out_a), emu_wgmma(wb, xt, T, out_b)
+
+
 def emu_mmq(weight, act, out=None, variant=None):
     y = numerics.mmq_q8_1(weight.data, weight.kind, act.q, act.ds[..., 0], weight.padded)
     if out is None:
@@ -211,7 +215,7 @@ def emulated_gpu():
                (ops.activation, "swiglu_q8_1"): emu_swiglu_q8_1, (ops.mmq, "mmq"): emu_mmq,
                (ops.norm, "add_rmsnorm_x16"): emu_add_rmsnorm_x16, (ops.activation, "swiglu_x16"): emu_swiglu_x16,
                (ops.wgmma, "tile_x16"): emu_tile_x16, (ops.wgmma, "tiled_buffer"): emu_tiled_buffer,
-               (ops.wgmma, "wgmma"): emu_wgmma,
+               (ops.wgmma, "wgmma"): emu_wgmma, (ops.wgmma, "wgmma_pair"): emu_wgmma_pair,
                (ops.norm, "gather_add_rows"): emu_gather_add_rows, (ops.argmax, "argmax_rows"): emu_argmax_rows,
                (ops.argmax, "record_last"): emu_record_last, (ops.argmax, "resolve_follow"): emu_resolve_follow,
                (gpu_batch, "pinned_int32"): lambda n: np.zeros(n, np.int32),

@@ -727,8 +727,8 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
 def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
     """The Hopper route on the CPU emulator (f16 activations, f16-rounded q4_K and q6_K weights):
     ubatches of >= wgmma_min_tokens tokens take it for every layer GEMM, shorter ones do not (q8_1
-    MMQ); with q6_K left on MMQ the mixed q4_K | q6_K qkv group gets both operand forms from one
-    norm; the logits stay within the bound."""
+    MMQ); a q4_K | q6_K qkv group in one wgmma_pair launch; with q6_K left on MMQ that group gets
+    both operand forms from one norm; the logits stay within the bound."""
     from engine.gpu import ops
     from engine.reference.model import ReferenceModel
     from engine.formats.weights import open_model
@@ -744,6 +744,9 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         calls = []
         wg = ops.wgmma.wgmma
         monkeypatch.setattr(ops.wgmma, "wgmma", lambda w, xt, T, **kw: calls.append((T, w.kind)) or wg(w, xt, T, **kw))
+        wp = ops.wgmma.wgmma_pair
+        monkeypatch.setattr(ops.wgmma, "wgmma_pair",
+                            lambda wa, wb, xt, T, *a: calls.append((T, "pair")) or wp(wa, wb, xt, T, *a))
         g = GPUModel(mf, ubatch=64)
         g.wgmma_min_tokens = 64
         lg = g.forward(ids, g.new_cache(150), all_logits=True)     # ubatches 64, 64, 22
@@ -751,9 +754,13 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         g.wgmma_kinds = frozenset({"q4_k"})
         lq = g.forward(ids, g.new_cache(150), all_logits=True)
     n_layers = mf.config.n_layers
-    assert {t for t, _ in calls} == {64} and {k for _, k in calls} == {"q4_k", "q6_k"}
-    # every layer GEMM of the two long ubatches: qkv group(s), Wo, gate|up, down
-    assert n_all == sum(2 * (len(L.qkv) + 3) for L in g.layers)
+    assert {t for t, _ in calls} == {64} and {k for _, k in calls} == {"q4_k", "q6_k", "pair"}
+    # every layer GEMM of the two long ubatches: qkv group (one launch, or one per type), Wo,
+    # gate|up, down
+    pairs = [ops.wgmma.pairs([s.w for s in L.qkv]) for L in g.layers]
+    assert any(pairs) and n_all == sum(2 * ((1 if p else len(L.qkv)) + 3) for p, L in zip(pairs, g.layers))
+    assert sum(k == "pair" for _, k in calls[:n_all]) == 2 * sum(pairs)
+    assert all(k != "pair" for _, k in calls[n_all:])     # q6_K on MMQ: no pair launch
     for out in (lg, lq):
         rel = np.linalg.norm(out - lr) / np.linalg.norm(lr)
         assert rel <= BOUNDS["tiny-qwen2"], rel

@@ -163,3 +163,40 @@ def test_wgmma_q6k_instances_do_not_spill():
         _report(test="wgmma_q6k_regs", instance=name, num_regs=int(k.num_regs),
                 local_bytes=int(k.local_size_bytes))
         assert int(k.local_size_bytes) == 0, f"{name}: {k.local_size_bytes} B of local memory (spills)"
+
+
+@pytest.mark.parametrize("T,Na,Nb,K,bt,kp", [
+    (32, 256, 128, 4096, 32, 1),        # [Wq; Wk] q4_K beside Wv q6_K, one token tile
+    (32, 512, 256, 2048, 32, 4),        # K split: the clusters of a tile never straddle the matrices
+    (50, 128, 384, 2816, 64, 2),        # ragged tokens, 11 super-blocks in uneven parts
+    (200, 384, 128, 1024, 128, 1),
+    (77, 128, 128, 1024, 256, 1),
+    (24, 1024, 512, 4096, None, None),  # the production choice for the two matrices together
+])
+def test_wgmma_pair_equals_two_launches(rng, T, Na, Nb, K, bt, kp):
+    """wgmma_pair (kernels_cu/wgmma_pair.cu): each output equal bit for bit to wgmma_q4k /
+    wgmma_q6k with the same tile choice, q6_K in both layouts, every element written."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu import registry
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.ops.wgmma import pairs, wgmma_pair, wgmma_q4k, wgmma_q6k
+    from engine.gpu.weights import upload_weight
+
+    wa = upload_weight(random_blocks(rng, "q4_k", Na, K, special=True), "Q4_K")
+    w6 = random_blocks(rng, "q6_k", Nb, K, special=True)
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+    auto = bt is None
+    if auto:
+        bt, kp = registry.wgmma_config(T, Na + Nb, K)
+    want_a = _run_poisoned(wgmma_q4k, wa, xt, T, Na, bt=bt, kp=kp)
+    for padded in (True, False):
+        wb = upload_weight(w6, "Q6_K", pad_q6k=padded)
+        assert pairs([wa, wb]) and not pairs([wb, wa])
+        want_b = _run_poisoned(wgmma_q6k, wb, xt, T, Nb, bt=bt, kp=kp)
+        ya = cp.full((T, Na), np.nan, dtype=cp.float32)
+        yb = cp.full((T, Nb), np.nan, dtype=cp.float32)
+        wgmma_pair(wa, wb, xt, T, ya, yb, **({} if auto else dict(bt=bt, kp=kp)))
+        assert np.array_equal(cp.asnumpy(ya).view(np.uint32), want_a.view(np.uint32)), f"q4_K part (padded={padded})"
+        assert np.array_equal(cp.asnumpy(yb).view(np.uint32), want_b.view(np.uint32)), f"q6_K part (padded={padded})"

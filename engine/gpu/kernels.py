@@ -43,7 +43,7 @@ MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
 # Files with sm_90a-only instructions (wgmma): NVRTC builds PTX for compute_90a and the driver
 # compiles it when the module loads (CuPy would add -arch=sm_90, and NVRTC 12.9's own sm_90a
 # back end crashed on wgmma code on the CPU). They load only on compute capability 9.0.
-SM90A_FILES = frozenset({"wgmma_q4_k.cu", "wgmma_q6_k.cu"})
+SM90A_FILES = frozenset({"wgmma_q4_k.cu", "wgmma_q6_k.cu", "wgmma_pair.cu"})
 SM90A_ARCH = "compute_90a"
 
 
@@ -92,13 +92,14 @@ def kernel_files() -> list[str]:
 
 def source(fname: str) -> str:
     """The assembled source of kernels_cu/<fname>: its kernels_cu headers inlined with #line,
-    recursively (common.cuh includes numerics.cuh), each header once (the first include)."""
+    recursively (common.cuh includes numerics.cuh), each header once (the first include); a
+    .cu may include other .cu files for their device code (wgmma_pair.cu: both weight policies)."""
     out: list[str] = []
     _inline(KERNEL_DIR / fname, out, set())
     return "\n".join(out) + "\n"
 
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+\.cuh)"')
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+\.cuh?)"')
 
 
 def _inline(path: Path, out: list[str], seen: set[str]) -> None:

@@ -48,6 +48,7 @@ around every launch (bench --breakdown); without it nothing is recorded.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -70,8 +71,6 @@ def wgmma_default_min_tokens() -> int | None:
     """The ubatch size from which the layer GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS
     on an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0; GGUF_PREFILL_WGMMA=N
     (N >= 2) sets it for A/B runs."""
-    import os
-
     from engine.gpu import registry
 
     env = os.environ.get("GGUF_PREFILL_WGMMA", "1").strip()
@@ -238,6 +237,9 @@ class GPUModel:
         self._sessions = None     # engine.gpu.session.SessionPool, made on the first session()
         self.wgmma_min_tokens = wgmma_default_min_tokens()     # tests may set it (None: never)
         self.wgmma_kinds = frozenset({"q4_k", "q6_k"})         # weight kinds with a Hopper GEMM
+        # a fused group of a q4_K and a q6_K matrix in one wgmma launch (GGUF_PREFILL_WGMMA_PAIR=0:
+        # two launches, for A/B runs; tests may set it)
+        self.wgmma_pair = os.environ.get("GGUF_PREFILL_WGMMA_PAIR", "1").strip() != "0"
         if progress:
             print(f"\rloaded {model.path} to the GPU in {self.load_seconds:.1f} s: "
                   f"{self.resident_bytes / 2**30:.3f} GiB resident "
@@ -450,11 +452,19 @@ class GPUModel:
             return mmq(self.output_w, a_o)
 
     def _seg_views(self, segs: list[_Seg], a, role_cols: dict[str, int], bufs, xt=None):
-        """Run the GEMMs of a fused group (q8_1 `a`, or the tiled f16 `xt` where _on_wgmma);
+        """Run the GEMMs of a fused group (q8_1 `a`, or the tiled f16 `xt` where _on_wgmma; a
+        q4_K and a q6_K matrix both on wgmma in one launch, ops.wgmma.wgmma_pair);
         role -> (float32 view [T, cols], row stride)."""
+        ws = [s.w for s in segs]
+        outs = [bufs.gemm_out(w.rows, i) for i, w in enumerate(ws)]
+        if (xt is not None and self.wgmma_pair and ops.wgmma.pairs(ws)
+                and all(self._on_wgmma(w, bufs.T) for w in ws)):
+            with self._span("gemm_q4_k+q6_k"):
+                ys = ops.wgmma.wgmma_pair(ws[0], ws[1], xt, bufs.T, outs[0], outs[1])
+        else:
+            ys = [self._gemm(w, a, out=o, xt=xt) for w, o in zip(ws, outs)]
         out = {}
-        for s in segs:
-            y = self._gemm(s.w, a, out=bufs.gemm_out(s.w.rows), xt=xt)
+        for s, y in zip(segs, ys):
             ld = int(y.shape[1])
             c = 0
             for r in s.roles:

@@ -40,7 +40,8 @@ def _cp():
 class UbatchBuffers:
     """The work buffers of one ubatch of T tokens: x, y float32 [T, d] (residual stream and the
     last GEMM's output), q8_1 activations a_d [T, d], a_q [T, q_dim], a_f [T, d_ff], rotated
-    queries qh f16 [H, T, hd], and one output [T, rows] per fused-GEMM row count (gemm_out);
+    queries qh f16 [H, T, hd], and one output [T, rows] per GEMM of a fused group (gemm_out: by
+    its position in the group and its row count, so the GEMMs of one group never share one);
     for the Hopper GEMMs (made on first use, i.e. in the eager run before a capture) one tiled
     f16 operand per K (xt) and the float32 attention output (attn_f32)."""
 
@@ -64,10 +65,10 @@ class UbatchBuffers:
         self._attn_f32 = None
         self._q_dim = cfg.q_dim
 
-    def gemm_out(self, rows: int):
-        out = self._gemm.get(rows)
+    def gemm_out(self, rows: int, seg: int = 0):
+        out = self._gemm.get((seg, rows))
         if out is None:
-            out = self._gemm[rows] = _cp().empty((self.T, rows), dtype=_cp().float32)
+            out = self._gemm[seg, rows] = _cp().empty((self.T, rows), dtype=_cp().float32)
         return out
 
     def xt(self, K: int):

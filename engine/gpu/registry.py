@@ -240,6 +240,13 @@ def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int
     return f"wgmma_q6_k<{p}, {bt}, {stages}>" if kp == 1 else f"wgmma_q6_k_kp<{p}, {bt}, {stages}, {kp}>"
 
 
+def wgmma_pair_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+    """kernels_cu/wgmma_pair.cu: a q4_K and a q6_K matrix (PADDED: its layout) in one launch."""
+    _check_wgmma_config("wgmma_pair", bt, stages, kp)
+    p = "true" if padded else "false"
+    return f"wgmma_pair<{p}, {bt}, {stages}>" if kp == 1 else f"wgmma_pair_kp<{p}, {bt}, {stages}, {kp}>"
+
+
 # (BT, KP) of every instance wgmma_config can return (KP = 8 compiles on demand for measurements).
 WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS) + ((128, 1), (256, 1))
 
@@ -315,6 +322,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
     "wgmma_q4_k.cu": tuple(wgmma_instance(bt, kp=kp) for bt, kp in WGMMA_LAUNCHED),
     "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
+    "wgmma_pair.cu": tuple(wgmma_pair_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
     "wgmma_act.cu": ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",

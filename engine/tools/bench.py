@@ -35,10 +35,12 @@ from engine.errors import UsageError
 FILE_TYPES = {0: "F32", 1: "F16", 7: "Q8_0", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K"}
 
 # op kind (engine.gpu.model spans) -> issue category
+PAIR = "q4_K + q6_K GEMMs in one launch (wgmma_pair)"
 ACTIVATIONS = "activation producers (rmsnorm / swiglu fused with q8_1 or f16; tile_x16)"
 CATEGORIES = {
     "gemm_q4_k": "q4_K GEMMs",
     "gemm_q6_k": "q6_K GEMMs",
+    "gemm_q4_k+q6_k": PAIR,
     "gemm_output_q6_k": "q6_K GEMMs",
     "gemm_output_q4_k": "q4_K GEMMs",
     "attention": "attention",
@@ -50,7 +52,7 @@ CATEGORIES = {
     "rope_kv": "norms/rope/rest",
     "embed": "norms/rope/rest",
 }
-CATEGORY_ORDER = ("q4_K GEMMs", "q6_K GEMMs", "attention", "norms/rope/rest",
+CATEGORY_ORDER = ("q4_K GEMMs", "q6_K GEMMs", PAIR, "attention", "norms/rope/rest",
                   ACTIVATIONS, "unattributed (gaps between launches)")
 
 

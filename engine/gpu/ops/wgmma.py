@@ -5,8 +5,9 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
     xt = tile_x16(x)                                  # float32 [T, K] -> float16 [K/64, ceil(T/8), 8, 8, 8]
     y = wgmma_q4k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q4_K [N, K] -> float32 [T, N]
     y = wgmma_q6k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q6_K (padded or raw), same xt
+    ya, yb = wgmma_pair(wa, wb, xt, T, out_a, out_b)  # q4_K wa and q6_K wb in one launch (wgmma_pair.cu)
 
-Grid: (ceil(T / bt) token tiles, N / 128 row tiles, kp K-parts), 256 threads (two warpgroups of
+Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts), 256 threads (two warpgroups of
 64 rows), `stages` activation buffers of bt x 64 f16 (and their mbarriers) in dynamic shared
 memory; kp > 1: clusters of the kp blocks of one output tile (the *_kp instances).
 bt, stages, kp default to the production choice (registry.wgmma_config, WGMMA_STAGES).
@@ -23,6 +24,7 @@ from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
 FILE = "wgmma_q4_k.cu"
 Q6_FILE = "wgmma_q6_k.cu"
+PAIR_FILE = "wgmma_pair.cu"
 ACT_FILE = "wgmma_act.cu"
 ROWS = 128            # WG_ROWS
 THREADS = 256         # WG_THREADS
@@ -68,6 +70,19 @@ def tile_x16(x, out=None):
     return out
 
 
+def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
+    """(bt, stages, kp, dynamic shared bytes) of a launch over N rows: the production choice
+    (registry.wgmma_config) where bt is None; a given bt runs unsplit unless kp says."""
+    if bt is None:
+        bt, auto_kp = registry.wgmma_config(T, N, K)
+        kp = kp or auto_kp
+    kp = kp or 1
+    stages = stages or registry.WGMMA_STAGES
+    if kp > K // 256:
+        raise ValueError(f"{op}: {kp} K-parts of {K // 256} super-blocks (at most one part per super-block)")
+    return bt, stages, kp, smem_bytes(bt, stages, kp)
+
+
 def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weight: DeviceWeight, xt, T: int, out,
             bt: int | None, stages: int | None, kp: int | None):
     """The shared checks and launch of the wgmma GEMMs: `instance` is a function (bt, stages, kp)
@@ -83,14 +98,7 @@ def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weigh
     check_dev(out, np.float32, (T, N), f"{op} out")
     if T == 0:
         return out
-    if bt is None:                             # the production choice; a given bt runs unsplit unless kp says
-        bt, auto_kp = registry.wgmma_config(T, N, K)
-        kp = kp or auto_kp
-    kp = kp or 1
-    stages = stages or registry.WGMMA_STAGES
-    if kp > K // 256:
-        raise ValueError(f"{op}: {kp} K-parts of {K // 256} super-blocks (at most one part per super-block)")
-    smem = smem_bytes(bt, stages, kp)
+    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp)
     k = kernels.get_kernel(fname, instance(bt, stages, kp), dynamic_smem=smem)
     k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
       shared_mem=smem)
@@ -114,6 +122,43 @@ def wgmma_q6k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None,
         raise ValueError(f"wgmma_q6k: weight type {weight.type_name} is not q6_K")
     return _launch("wgmma_q6k", Q6_FILE, lambda bt, st, kp: registry.wgmma_q6_instance(weight.padded, bt, st, kp),
                    weight, xt, T, out, bt, stages, kp)
+
+
+def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b=None, bt: int | None = None,
+               stages: int | None = None, kp: int | None = None):
+    """(ya, yb) = (x . wa^T, x . wb^T) for a q4_K wa and a q6_K wb of the same K in one launch,
+    each equal bit for bit to wgmma_q4k / wgmma_q6k with the same bt, stages, kp (the production
+    choice: registry.wgmma_config of the two matrices' rows together)."""
+    import cupy as cp
+
+    if wa.ggml_type != GGML_Q4_K or wb.ggml_type != GGML_Q6_K:
+        raise ValueError(f"wgmma_pair: weight types {wa.type_name}, {wb.type_name} are not q4_K, q6_K")
+    if wa.cols != wb.cols:
+        raise ValueError(f"wgmma_pair: K differs ({wa.cols} and {wb.cols})")
+    K = wa.cols
+    outs = []
+    for name, w, out in (("a", wa, out_a), ("b", wb, out_b)):
+        if w.rows % ROWS:
+            raise ValueError(f"wgmma_pair: {w.rows} rows of {name} is not a multiple of {ROWS}")
+        if out is None:
+            out = cp.empty((T, w.rows), dtype=cp.float32)
+        check_dev(out, np.float32, (T, w.rows), f"wgmma_pair out_{name}")
+        outs.append(out)
+    check_dev(xt, np.float16, tiled_shape(T, K), "wgmma_pair activations")
+    if T == 0:
+        return tuple(outs)
+    bt, stages, kp, smem = _config("wgmma_pair", T, wa.rows + wb.rows, K, bt, stages, kp)
+    k = kernels.get_kernel(PAIR_FILE, registry.wgmma_pair_instance(wb.padded, bt, stages, kp), dynamic_smem=smem)
+    k((-(-T // bt), (wa.rows + wb.rows) // ROWS, kp), (THREADS,),
+      (wa.data, outs[0], np.int32(wa.rows), wb.data, outs[1], np.int32(wb.rows), xt, np.int32(T), np.int32(K)),
+      shared_mem=smem)
+    return tuple(outs)
+
+
+def pairs(weights) -> bool:
+    """Whether wgmma_pair takes these weights (a q4_K then a q6_K matrix of the same K)."""
+    return (len(weights) == 2 and weights[0].ggml_type == GGML_Q4_K and weights[1].ggml_type == GGML_Q6_K
+            and weights[0].cols == weights[1].cols and all(w.rows % ROWS == 0 for w in weights))
 
 
 def wgmma(weight: DeviceWeight, xt, T: int, out=None):

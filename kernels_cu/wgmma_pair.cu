@@ -1,0 +1,45 @@
+// wgmma_pair.cu: one launch of the Hopper f16 GEMM (wgmma_common.cuh) over two matrices of one
+// fused group whose types differ, on the same activations. Issues 12, 13: in q4_K_M files the q/k/v
+// group of about half the layers is [Wq; Wk] q4_K beside Wv q6_K, two GEMMs of a few us each at
+// 32 tokens, each leaving most SMs idle; one grid runs both.
+//
+//   Ya[T, Na] = x . Wa^T (q4_K, wgmma_q4_k.cu)      Yb[T, Nb] = x . Wb^T (q6_K, wgmma_q6_k.cu)
+//
+// Grid: x = token tile, y = row tile (Na / 128 tiles of Wa, then Nb / 128 of Wb), z = K part; a
+// block is the block of wgmma_q4_k / wgmma_q6_k with the same BT, STAGES, KP over its matrix, so
+// the outputs equal those two launches' bit for bit. A row tile is uniform across a block and
+// across a cluster (the KP parts of one tile share y), so the branch never splits a barrier.
+#include "wgmma_q4_k.cu"
+#include "wgmma_q6_k.cu"
+
+template <bool PADDED, int BT, int STAGES, int KP>
+__device__ __forceinline__ void wgmma_pair_block(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na,
+                                                 const u8* __restrict__ Wb, float* __restrict__ Yb, int Nb,
+                                                 const u8* __restrict__ Xt, int T, int K) {
+    const int tiles_a = Na / WG_ROWS;
+    if ((int)blockIdx.y < tiles_a)
+        wgmma_gemm<WgQ4K, BT, STAGES, KP>(Wa, Xt, Ya, T, Na, K, blockIdx.y);
+    else
+        wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(Wb, Xt, Yb, T, Nb, K, blockIdx.y - tiles_a);
+}
+
+// Two blocks per SM where both bodies fit them alone (padded q6_K, BT <= 64: 128 registers at
+// most; unbounded, the larger body alone took 132 at BT = 64, one block per SM).
+template <bool PADDED, int BT>
+constexpr int wg_pair_min_blocks() { return PADDED && BT <= 64 ? 2 : 1; }
+
+template <bool PADDED, int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
+wgmma_pair(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u8* __restrict__ Wb,
+           float* __restrict__ Yb, int Nb, const u8* __restrict__ Xt, int T, int K) {
+    pdl_entry();
+    wgmma_pair_block<PADDED, BT, STAGES, 1>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K);
+}
+
+template <bool PADDED, int BT, int STAGES, int KP>
+__global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
+wgmma_pair_kp(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u8* __restrict__ Wb,
+              float* __restrict__ Yb, int Nb, const u8* __restrict__ Xt, int T, int K) {
+    pdl_entry();
+    wgmma_pair_block<PADDED, BT, STAGES, KP>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K);
+}
