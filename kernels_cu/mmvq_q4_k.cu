@@ -135,6 +135,8 @@ __device__ __forceinline__ void mmvq_q4_k_body(
         mmvq_q4_k_body<1, MODE>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K);    \
     }
 
+#ifndef MMVQ_BODIES_ONLY                 // mmvq_mixed.cu takes the body alone
 MMVQ_Q4K_INSTANCE(0, store)
 MMVQ_Q4K_INSTANCE(1, add)
 MMVQ_Q4K_INSTANCE(2, swiglu)
+#endif

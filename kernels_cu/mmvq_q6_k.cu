@@ -150,5 +150,7 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, add)          \
     MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, swiglu)
 
+#ifndef MMVQ_BODIES_ONLY                 // mmvq_mixed.cu takes the body alone
 MMVQ_Q6K_LAYOUT(pad, true)
 MMVQ_Q6K_LAYOUT(raw, false)
+#endif

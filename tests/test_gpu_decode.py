@@ -209,6 +209,31 @@ def test_mmvq_segments(cp, rng):
         assert np.isfinite(got).all() and (np.abs(got - ref) <= bound).all()
 
 
+@pytest.mark.parametrize("kinds", [("q4_k", "q4_k", "q6_k_pad"), ("q4_k", "q6_k_raw"), ("q4_k", "q6_k_pad", "q6_k_pad")])
+def test_mmvq_mixed_equals_per_kind_launches(cp, rng, kinds):
+    """mmvq_mixed.cu: q4_K and q6_K matrices (q, k, v of a q4_K_M layer) in one launch give each
+    output the bits of mmvq_launch over each kind's run, every row written."""
+    from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch
+    from engine.gpu.weights import upload_weight
+
+    K = 512
+    rows = (37, 9, 70)[:len(kinds)] if EMU else (4096, 1024, 333)[:len(kinds)]
+    dws = [upload_weight(rand_rows(rng, k[:4], n, K), "Q4_K" if k == "q4_k" else "Q6_K", pad_q6k=k.endswith("pad"))
+           for k, n in zip(kinds, rows)]
+    assert mixes(dws) and not mixes(dws[::-1])
+    q, d, s = Q.quantize_q8_1(rng.standard_normal((1, K)).astype(np.float32))
+    xq, xds = upload_act(cp, q, d, s)
+    ys = [cp.full(n, np.nan, dtype=cp.float32) for n in rows]
+    mmvq_mixed_launch(dws, ys, xq, xds)
+    n4 = kinds.count("q4_k")
+    want = [cp.full(n, np.nan, dtype=cp.float32) for n in rows]
+    mmvq_launch(dws[:n4], want[:n4], xq, xds, "store")
+    mmvq_launch(dws[n4:], want[n4:], xq, xds, "store")
+    for y, w in zip(ys, want):
+        got = cp.asnumpy(y)
+        assert np.isfinite(got).all() and np.array_equal(got.view(np.uint32), cp.asnumpy(w).view(np.uint32))
+
+
 # ----------------------------------------------------------------------------- attention
 
 def _kv_dtypes():

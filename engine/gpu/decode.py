@@ -6,7 +6,8 @@ A decode step (one token at position p = the cache length before it) is:
     x = embed(token)                                   decode_fused.cu  decode_embed
     per layer:
         a = q8_1(rmsnorm(x) * attn_norm)               decode_fused.cu  rmsnorm_q8
-        qkv = [Wq; Wk; Wv] a                           mmvq_q4_k.cu / mmvq_q6_k.cu (store, 1-2 launches)
+        qkv = [Wq; Wk; Wv] a                           mmvq_q4_k.cu / mmvq_q6_k.cu (store; one launch,
+                                                       mmvq_mixed.cu where q4_K and q6_K mix)
         q, K[p], V[p] = rope(qkv + bias)               decode_fused.cu  qkv_post_f16
         o = attention(q, K[0..p], V[0..p])             attention_decode.cu split + combine (-> q8_1)
         x += Wo o                                      mmvq (add)
@@ -42,7 +43,7 @@ from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
-from engine.gpu.ops.mmvq import mmvq_launch
+from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
 
@@ -149,8 +150,11 @@ class DecodeStep:
                     groups[-1][1].append(out)
                 else:
                     groups.append(([wt], [out]))
-            for ws, outs in groups:
-                mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
+            if len(groups) == 2 and m.mixed_launch and mixes(groups[0][0] + groups[1][0]):
+                mmvq_mixed_launch(groups[0][0] + groups[1][0], groups[0][1] + groups[1][1], self.act_d.q, self.act_d.ds)
+            else:
+                for ws, outs in groups:
+                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
             kl, vl = cache.k_layer(i), cache.v_layer(i)
             post((-(-n_post // 256),), (256,), (
                 self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,

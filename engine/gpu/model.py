@@ -237,9 +237,10 @@ class GPUModel:
         self._sessions = None     # engine.gpu.session.SessionPool, made on the first session()
         self.wgmma_min_tokens = wgmma_default_min_tokens()     # tests may set it (None: never)
         self.wgmma_kinds = frozenset({"q4_k", "q6_k"})         # weight kinds with a Hopper GEMM
-        # a fused group of a q4_K and a q6_K matrix in one wgmma launch (GGUF_PREFILL_WGMMA_PAIR=0:
-        # two launches, for A/B runs; tests may set it)
-        self.wgmma_pair = os.environ.get("GGUF_PREFILL_WGMMA_PAIR", "1").strip() != "0"
+        # q4_K and q6_K matrices of one fused group in one launch: wgmma_pair (prefill) and
+        # mmvq_mixed (decode q / k / v); GGUF_PREFILL_MIXED_LAUNCH=0: one launch per type, for
+        # A/B runs (tests may set it)
+        self.mixed_launch = os.environ.get("GGUF_PREFILL_MIXED_LAUNCH", "1").strip() != "0"
         if progress:
             print(f"\rloaded {model.path} to the GPU in {self.load_seconds:.1f} s: "
                   f"{self.resident_bytes / 2**30:.3f} GiB resident "
@@ -457,7 +458,7 @@ class GPUModel:
         role -> (float32 view [T, cols], row stride)."""
         ws = [s.w for s in segs]
         outs = [bufs.gemm_out(w.rows, i) for i, w in enumerate(ws)]
-        if (xt is not None and self.wgmma_pair and ops.wgmma.pairs(ws)
+        if (xt is not None and self.mixed_launch and ops.wgmma.pairs(ws)
                 and all(self._on_wgmma(w, bufs.T) for w in ws)):
             with self._span("gemm_q4_k+q6_k"):
                 ys = ops.wgmma.wgmma_pair(ws[0], ws[1], xt, bufs.T, outs[0], outs[1])

@@ -274,6 +274,11 @@ def mmvq_name(kind: str, mode: str, padded: bool = True) -> str:
     return f"mmvq_{kind}_{mode}" if layouts is None else f"mmvq_{kind}_{layouts[0 if padded else 1]}_{mode}"
 
 
+def mmvq_mixed_name(padded: bool = True) -> str:
+    """mmvq_mixed.cu: q4_K then q6_K matrices (padded: that layout) in one store launch."""
+    return f"mmvq_mixed_{'pad' if padded else 'raw'}_store"
+
+
 def attn_split_name(head_dim: int, group: int, kv_dtype: str) -> str:
     return f"attn_split_h{head_dim}_g{group}_{kv_dtype}"
 
@@ -329,6 +334,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
                         "swiglu_mul", "set_state"),
     "mmvq_q4_k.cu": tuple(mmvq_name("q4_k", m) for m in MMVQ_MODES),
     "mmvq_q6_k.cu": tuple(mmvq_name("q6_k", m, p) for p in (True, False) for m in MMVQ_MODES),
+    "mmvq_mixed.cu": tuple(mmvq_mixed_name(p) for p in (True, False)),
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS)
     + tuple(attn_split_varlen_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS)
