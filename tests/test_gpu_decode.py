@@ -737,6 +737,7 @@ def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
     down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
     from engine.gpu import kernels
     from engine.gpu.decode import DecodeStep, bench_decode, same_launch
+    from engine.gpu.ops.mmvq import mixes
 
     model = _gpu_model(tiny_qwen2_path)
     step = DecodeStep(model, model.new_cache(16))
@@ -754,8 +755,11 @@ def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
     for L in model.layers:
         W = L.roles
         runs = 1 + (not same_launch(W["attn_q"], W["attn_k"])) + (not same_launch(W["attn_k"], W["attn_v"]))
+        if runs == 2 and mixes([W["attn_q"], W["attn_k"], W["attn_v"]]):
+            runs = 1                                             # mmvq_mixed: q4_K and q6_K in one launch
         want += runs + 1 + 2 + 1 + 1 + (1 if same_launch(W["ffn_gate"], W["ffn_up"]) else 3) + 1 + 1 + 1
     assert len(names) == want, names
+    assert "mmvq_mixed_pad_store" in names       # the tiny model mixes q4_K and q6_K in some layers
     assert names[-1] == "argmax_step" and not any("addnorm" in n or "_u2" in n or "_r2" in n for n in names)
     ts = bench_decode(model, n_gen=3, depth=2, reps=1)
     assert len(ts) == 1 and ts[0] > 0
