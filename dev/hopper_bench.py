@@ -1,7 +1,7 @@
 """Hopper f16 GEMMs (kernels_cu/wgmma_q4_k.cu, wgmma_q6_k.cu) beside the production MMQ and cuBLAS f16, same run.
 
     python -m dev.hopper_bench [--tokens 512,3314] [--configs auto,128x4,256x4,32x4k4,..] [--shapes q4_k:NxK,..]
-                               [--reps 20] [--json OUT] [--wgmma-only]
+                               [--reps 20] [--json OUT] [--wgmma-only] [--pairs 8192+4096x4096,..]
 
 Per q4_K / q6_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
 that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES[kKP] ("auto": registry.wgmma_config; kKP: K in KP parts), its activation
@@ -101,6 +101,45 @@ def run(tokens, configs, shapes, reps=20, seed=7, log=print, baselines=True):
     return rows
 
 
+def run_pairs(tokens, configs, pairs, reps=20, seed=7, log=print):
+    """wgmma_pair (q4_K Na rows + q6_K Nb rows, one K) per config beside the two single
+    launches at their production configs, graph timing; rows as run()'s with kind "pair",
+    N = Na + Nb and "two_ms" (the two launches)."""
+    import cupy as cp
+
+    from engine.gpu.ops.wgmma import tile_x16, wgmma_pair, wgmma_q4k, wgmma_q6k
+    from engine.gpu.weights import DeviceWeight, upload_weight
+
+    rng = np.random.default_rng(seed)
+    gt = GraphTimer(cp, reps=reps)
+    rows = []
+    for Na, Nb, K in pairs:
+        wa = upload_weight(random_blocks(rng, "q4_k", Na, K, special=False), "Q4_K")
+        wb = upload_weight(random_blocks(rng, "q6_k", Nb, K, special=False), "Q6_K")
+        n = gt.copies(wa.nbytes + wb.nbytes)
+        ca = [wa] + [DeviceWeight(wa.ggml_type, Na, K, wa.data.copy(), wa.padded) for _ in range(n - 1)]
+        cb = [wb] + [DeviceWeight(wb.ggml_type, Nb, K, wb.data.copy(), wb.padded) for _ in range(n - 1)]
+        nbytes = wa.nbytes + wb.nbytes
+        for T in tokens:
+            xt = tile_x16(cp.random.standard_normal((T, K), dtype=cp.float32))
+            ya, yb = cp.empty((T, Na), dtype=cp.float32), cp.empty((T, Nb), dtype=cp.float32)
+
+            def two(c):
+                wgmma_q4k(ca[c], xt, T, out=ya)
+                wgmma_q6k(cb[c], xt, T, out=yb)
+            t_two = gt(two, n)["median_ms"]
+            for cfg in configs:
+                bt, st, kp = parse_config(cfg)
+                if kp and kp > K // 256:
+                    continue
+                t = gt(lambda c: wgmma_pair(ca[c], cb[c], xt, T, ya, yb, bt=bt, stages=st, kp=kp), n)["median_ms"]
+                rows.append({"kind": "pair", "N": Na + Nb, "Na": Na, "Nb": Nb, "K": K, "T": T, "config": cfg,
+                             "wgmma_ms": t, "two_ms": t_two, "gbs": nbytes / t * 1e-6, "ok": True})
+                log(f"pair {Na}+{Nb}x{K} T={T} {cfg}: {t * 1e3:.1f} us ({nbytes / t * 1e-6:.0f} GB/s), "
+                    f"two launches {t_two * 1e3:.1f} us, x{t_two / t:.2f}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="512,3314")
@@ -109,9 +148,18 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--wgmma-only", action="store_true", help="skip cuBLAS, MMQ and the activation passes")
+    ap.add_argument("--pairs", default=None, help="NA+NBxK,..: time wgmma_pair (q4_K NA rows, q6_K NB) instead")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     configs = a.configs.split(",")
+    if a.pairs:
+        pairs = [(int(na), int(nb), int(k)) for na, nb, k in
+                 (p.replace("+", "x").split("x") for p in a.pairs.split(","))]
+        rows = run_pairs(tokens, configs, pairs, reps=a.reps)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     rows = run(tokens, configs, parse_shapes(a.shapes) if a.shapes else SHAPES, reps=a.reps, baselines=not a.wgmma_only)
     if a.json:
         with open(a.json, "w") as f:
