@@ -7,9 +7,10 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
     y = wgmma_q6k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q6_K (padded or raw), same xt
     ya, yb = wgmma_pair(wa, wb, xt, T, out_a, out_b)  # q4_K wa and q6_K wb in one launch (wgmma_pair.cu)
 
-Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts), 256 threads (two warpgroups of
-64 rows), `stages` activation buffers of bt x 64 f16 (and their mbarriers) in dynamic shared
-memory; kp > 1: clusters of the kp blocks of one output tile (the *_kp instances).
+Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts),
+256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
+mbarriers) in dynamic shared memory; kp > 1: clusters of the kp blocks of one output tile (the
+*_kp instances).
 bt, stages, kp default to the production choice (registry.wgmma_config, WGMMA_STAGES).
 """
 from __future__ import annotations
