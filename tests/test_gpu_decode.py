@@ -453,7 +453,12 @@ def test_rmsnorm_q8(cp, rng):
         k((1,), (1024,), (cp.asarray(x), cp.asarray(w), eps, np.int32(K), q, ds, h))
         got = cp.asnumpy(h)
         ref = rms_norm(x[None], w, float(eps))[0]
-        assert np.all(np.abs(got - ref) <= 4 * U * np.abs(ref) + 1e-30), K
+        # both sums of squares (positive terms) carry at most depth x U relative error: the
+        # kernel's K / 1024 serial adds and two 32-lane trees, numpy's pairwise log2 K; the
+        # scale takes half their difference (1 / sqrt), then ~4 roundings (4U alone failed
+        # at 4.2U in the CPU emulator: K = 1536, seed 13192075147357824944)
+        depth = -(-K // 1024) + 10 + int(np.ceil(np.log2(K)))
+        assert np.all(np.abs(got - ref) <= (depth / 2 + 4) * U * np.abs(ref) + 1e-30), K
         rq, rd, rs = Q.quantize_q8_1(got[None])
         assert (cp.asnumpy(q) == rq[0]).all()
         gds = cp.asnumpy(ds)

@@ -235,6 +235,7 @@ class EmuKernel:
     def __init__(self, fname, name):
         self.fname, self.name = fname, name
         self.max_dynamic_shared_size_bytes = 1 << 30
+        self.num_regs = 64                  # what launch planners read (mmsb's plan); no occupancy here
         fb = FALLBACKS.get((fname, name))
         for (f, prefix), pfb in PREFIX_FALLBACKS.items():
             if fb is None and f == fname and name.startswith(prefix):
@@ -294,8 +295,23 @@ def _fb_mmq(kind):
     return run
 
 
+def _fb_mmsb(kind):
+    """Small-batch GEMMs (mmsb_common.cuh: template kernels with tensor-core PTX; the K split's
+    parts reduce inside the launch) through the same numpy oracle; the q6_K block stride from the
+    weight array's bytes per row (DeviceWeight rows are whole)."""
+    mmq = _fb_mmq(kind)
+
+    def run(grid, block, args):
+        from engine.formats import quants as Q
+
+        w, aq, ads, y, T, N, K = args[:7]
+        mmq(grid, block, (w, aq, ads, y, T, N, K, np.int32(np.asarray(w).size // (int(N) * (int(K) // Q.QK_K)))))
+    return run
+
+
 FALLBACKS = {("quantize_q8_1.cu", "quantize_q8_1"): _fb_quantize_q8_1}
-PREFIX_FALLBACKS = {("mmq_q4_k.cu", "mmq_q4_k<"): _fb_mmq("q4_k"), ("mmq_q6_k.cu", "mmq_q6_k<"): _fb_mmq("q6_k")}
+PREFIX_FALLBACKS = {("mmq_q4_k.cu", "mmq_q4_k<"): _fb_mmq("q4_k"), ("mmq_q6_k.cu", "mmq_q6_k<"): _fb_mmq("q6_k"),
+                    ("mmsb_q4_k.cu", "mmsb_q4_k<"): _fb_mmsb("q4_k"), ("mmsb_q6_k.cu", "mmsb_q6_k<"): _fb_mmsb("q6_k")}
 
 _kcache: dict = {}
 
@@ -324,6 +340,7 @@ def install():
     cuda = types.ModuleType("cupy.cuda")
     cuda.Stream, cuda.Event, cuda.Device, cuda.Graph = Stream, Event, Device, Graph
     cuda.get_elapsed_time = get_elapsed_time
+    cuda.get_current_stream = lambda: Stream.current() or Stream.null
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
     cuda.runtime = runtime
     cp.cuda = cuda
