@@ -156,14 +156,14 @@ def main(argv=None) -> int:
         pairs = [(int(na), int(nb), int(k)) for na, nb, k in
                  (p.replace("+", "x").split("x") for p in a.pairs.split(","))]
         rows = run_pairs(tokens, configs, pairs, reps=a.reps)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    rows = run(tokens, configs, parse_shapes(a.shapes) if a.shapes else SHAPES, reps=a.reps, baselines=not a.wgmma_only)
+    else:
+        rows = run(tokens, configs, parse_shapes(a.shapes) if a.shapes else SHAPES, reps=a.reps,
+                   baselines=not a.wgmma_only)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if a.pairs:
+        return 0                        # run_pairs logged its rows; the table below is run()'s
     print(f"\n{'shape':>14s} {'T':>5s} {'cfg':>7s} {'wgmma ms':>9s} {'GB/s':>6s} {'MMQ ms':>8s} {'GB/s':>6s} "
           f"{'cuBLAS':>8s} {'/cuBLAS':>8s} {'xMMQ':>6s} ok")
     for r in rows:

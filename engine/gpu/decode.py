@@ -142,17 +142,19 @@ class DecodeStep:
         norm(layers[0].attn_norm)
         for i, L in enumerate(layers):
             W = L.roles
-            # q, k, v: one launch per run of matrices that share kind and layout
-            groups: list[tuple[list, list]] = []
-            for wt, out in ((W["attn_q"], q_out), (W["attn_k"], k_out), (W["attn_v"], v_out)):
-                if groups and same_launch(groups[-1][0][0], wt):
-                    groups[-1][0].append(wt)
-                    groups[-1][1].append(out)
-                else:
-                    groups.append(([wt], [out]))
-            if len(groups) == 2 and m.mixed_launch and mixes(groups[0][0] + groups[1][0]):
-                mmvq_mixed_launch(groups[0][0] + groups[1][0], groups[0][1] + groups[1][1], self.act_d.q, self.act_d.ds)
+            # q, k, v: one launch (mmvq_mixed where q4_K and q6_K mix), else one launch per run
+            # of matrices that share kind and layout
+            qkv_w, qkv_y = [W["attn_q"], W["attn_k"], W["attn_v"]], [q_out, k_out, v_out]
+            if m.mixed_launch and mixes(qkv_w):
+                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds)
             else:
+                groups: list[tuple[list, list]] = []
+                for wt, out in zip(qkv_w, qkv_y):
+                    if groups and same_launch(groups[-1][0][0], wt):
+                        groups[-1][0].append(wt)
+                        groups[-1][1].append(out)
+                    else:
+                        groups.append(([wt], [out]))
                 for ws, outs in groups:
                     mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
             kl, vl = cache.k_layer(i), cache.v_layer(i)

@@ -227,24 +227,25 @@ def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:
                          f"KP={kp} (1, 2, 4, 8) not supported")
 
 
+def _wgmma_name(kernel: str, lead: str, bt: int, stages: int, kp: int) -> str:
+    """`kernel<lead bt, stages>`, or its K-split twin `kernel_kp<lead bt, stages, kp>`."""
+    _check_wgmma_config(kernel, bt, stages, kp)
+    return f"{kernel}<{lead}{bt}, {stages}>" if kp == 1 else f"{kernel}_kp<{lead}{bt}, {stages}, {kp}>"
+
+
 def wgmma_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
-    _check_wgmma_config("wgmma_q4_k", bt, stages, kp)
-    return f"wgmma_q4_k<{bt}, {stages}>" if kp == 1 else f"wgmma_q4_k_kp<{bt}, {stages}, {kp}>"
+    return _wgmma_name("wgmma_q4_k", "", bt, stages, kp)
 
 
 def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
     """kernels_cu/wgmma_q6_k.cu: PADDED selects the 224-byte (8-byte loads) or the raw 210-byte
     block layout (2-byte loads), bit-identical results."""
-    _check_wgmma_config("wgmma_q6_k", bt, stages, kp)
-    p = "true" if padded else "false"
-    return f"wgmma_q6_k<{p}, {bt}, {stages}>" if kp == 1 else f"wgmma_q6_k_kp<{p}, {bt}, {stages}, {kp}>"
+    return _wgmma_name("wgmma_q6_k", "true, " if padded else "false, ", bt, stages, kp)
 
 
 def wgmma_pair_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
     """kernels_cu/wgmma_pair.cu: a q4_K and a q6_K matrix (PADDED: its layout) in one launch."""
-    _check_wgmma_config("wgmma_pair", bt, stages, kp)
-    p = "true" if padded else "false"
-    return f"wgmma_pair<{p}, {bt}, {stages}>" if kp == 1 else f"wgmma_pair_kp<{p}, {bt}, {stages}, {kp}>"
+    return _wgmma_name("wgmma_pair", "true, " if padded else "false, ", bt, stages, kp)
 
 
 # (BT, KP) of every instance wgmma_config can return (KP = 8 compiles on demand for measurements).

@@ -84,19 +84,27 @@ def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None,
     return bt, stages, kp, smem_bytes(bt, stages, kp)
 
 
+def _out(label: str, weight: DeviceWeight, T: int, out):
+    """The float32 [T, weight.rows] output of a wgmma GEMM (made when None), checked; `label`
+    names the operand in errors."""
+    import cupy as cp
+
+    N = weight.rows
+    if N % ROWS:
+        raise ValueError(f"{label}: {N} rows is not a multiple of {ROWS}")
+    if out is None:
+        out = cp.empty((T, N), dtype=cp.float32)
+    check_dev(out, np.float32, (T, N), f"{label} out")
+    return out
+
+
 def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weight: DeviceWeight, xt, T: int, out,
             bt: int | None, stages: int | None, kp: int | None):
     """The shared checks and launch of the wgmma GEMMs: `instance` is a function (bt, stages, kp)
     -> the template instance of kernels_cu/<fname>."""
-    import cupy as cp
-
     N, K = weight.rows, weight.cols
-    if N % ROWS:
-        raise ValueError(f"{op}: {N} rows is not a multiple of {ROWS}")
+    out = _out(op, weight, T, out)
     check_dev(xt, np.float16, tiled_shape(T, K), f"{op} activations")
-    if out is None:
-        out = cp.empty((T, N), dtype=cp.float32)
-    check_dev(out, np.float32, (T, N), f"{op} out")
     if T == 0:
         return out
     bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp)
@@ -130,21 +138,12 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
     """(ya, yb) = (x . wa^T, x . wb^T) for a q4_K wa and a q6_K wb of the same K in one launch,
     each equal bit for bit to wgmma_q4k / wgmma_q6k with the same bt, stages, kp (the production
     choice: registry.wgmma_config of the two matrices' rows together)."""
-    import cupy as cp
-
     if wa.ggml_type != GGML_Q4_K or wb.ggml_type != GGML_Q6_K:
         raise ValueError(f"wgmma_pair: weight types {wa.type_name}, {wb.type_name} are not q4_K, q6_K")
     if wa.cols != wb.cols:
         raise ValueError(f"wgmma_pair: K differs ({wa.cols} and {wb.cols})")
     K = wa.cols
-    outs = []
-    for name, w, out in (("a", wa, out_a), ("b", wb, out_b)):
-        if w.rows % ROWS:
-            raise ValueError(f"wgmma_pair: {w.rows} rows of {name} is not a multiple of {ROWS}")
-        if out is None:
-            out = cp.empty((T, w.rows), dtype=cp.float32)
-        check_dev(out, np.float32, (T, w.rows), f"wgmma_pair out_{name}")
-        outs.append(out)
+    outs = [_out("wgmma_pair a", wa, T, out_a), _out("wgmma_pair b", wb, T, out_b)]
     check_dev(xt, np.float16, tiled_shape(T, K), "wgmma_pair activations")
     if T == 0:
         return tuple(outs)
