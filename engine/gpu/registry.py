@@ -188,11 +188,12 @@ def mmsb_launched_ntt(kind: str) -> tuple[int, ...]:
 # shared memory). Large ubatches: BT = 128 or 256, KP = 1. BT = 256 halves the L2 reads of the
 # weights per token but needs two full waves of 256-token tiles to keep the tail short (H100
 # hopper_bench, perf-log Session 12: 256 wins at T = 3314 on every 7B shape and at T = 512 only
-# on 22016 rows). Small ubatches (perf-log Session 13, H200 hopper_bench at T = 32, 64, 128): the
-# time is set by the blocks' serial K loops, not by the GPU's width, so about one block per SM is
-# best: a matrix of >= WGMMA_WIDE_TILES row tiles runs unsplit in one token tile (BT = 32, 64 or
-# 128, the fewest padded tokens); a narrower one (the 4096-row matrices) in 32- or 64-token tiles
-# with K split until tiles x parts would pass one wave.
+# on 22016 rows). Small ubatches (perf-log Sessions 13 and 15, H200 hopper_bench at T = 32, 64,
+# 128): the time is set by the blocks' serial K loops, not by the GPU's width. T <= 64: 32- or
+# 64-token tiles with K split in the most parts that keep tiles x parts <= WGMMA_SPLIT_BLOCKS
+# (about 1.5 blocks per SM; two fit: 96 row tiles best at 2 parts, 48 and 36 at 4, a 4096-row
+# matrix at 4, 172 tiles unsplit). T = 65..128: a matrix of >= WGMMA_WIDE_TILES row tiles
+# unsplit in one 128-token tile, a narrower one in 64-token tiles split by the same limit.
 WGMMA_BTS = (32, 64, 128, 256)
 WGMMA_KPS = (1, 2, 4)
 # Ubatches of at least this many tokens run their q4_K and q6_K GEMMs on wgmma (engine.gpu.model):
@@ -202,6 +203,7 @@ WGMMA_MIN_TOKENS = 17
 WGMMA_STAGES = 4
 WGMMA_WAVE_SMS = 132
 WGMMA_WIDE_TILES = 80
+WGMMA_SPLIT_BLOCKS = 3 * WGMMA_WAVE_SMS // 2
 
 
 def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
@@ -211,12 +213,12 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
         tiles_256 = -(-T // 256) * tiles
         return (256 if tiles_256 >= 2 * WGMMA_WAVE_SMS else 128), 1
     bt = next(b for b in WGMMA_BTS if b >= T)
-    if tiles >= WGMMA_WIDE_TILES:
+    if bt == 128 and tiles >= WGMMA_WIDE_TILES:
         return bt, 1
     bt = min(bt, 64)
     blocks = -(-T // bt) * tiles
     kp = 1
-    while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_WAVE_SMS and 2 * kp <= K // 256:
+    while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_SPLIT_BLOCKS and 2 * kp <= K // 256:
         kp *= 2
     return bt, kp
 
