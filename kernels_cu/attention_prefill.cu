@@ -41,93 +41,7 @@
 //     (padding, so that a CUDA graph keeps a fixed grid); 1 <= nq <= 64 otherwise (more: trap).
 //     engine.gpu.ops.attention.varlen_tiles cuts sequences into the one-sequence kernel's tiles.
 // Grid (tiles, H); 128 threads; dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
-#include "common.cuh"
-
-#define AT_BQ 64
-#define AT_BK 64
-#define AT_NTH 128
-#define AT_NEG_INF __int_as_float(0xff800000)
-#define AT_SMEM_MAX (5 * 64 * 256)
-
-#ifndef GGP_EMU
-typedef u32 saddr;                          // shared-memory address (cvta.to.shared)
-
-__device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-// d += A(16x16 f16, row) * B(16x8 f16, col), f32 accumulators.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// two f32 -> f16x2 (lo in the low half), round to nearest even
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-#else
-// ---- CPU emulation (tests/cuda_emu: one fiber per thread, __syncwarp a warp barrier) of the
-// PTX used above, from the PTX ISA fragment definitions; shared addresses are host pointers.
-typedef unsigned long long saddr;
-static u8 at_emu_smem[AT_SMEM_MAX] __attribute__((aligned(16)));
-static unsigned long long at_emu_addr[32][32];
-static u32 at_emu_frag[32][32][6];
-inline saddr smem_u32(const void* p) { return (saddr)p; }
-inline u32 dyn_smem_bytes() { return AT_SMEM_MAX; }
-inline void __trap() { std::abort(); }
-inline void cp_async16(saddr dst, const void* src, int n) {
-    if (n == 16) std::memcpy((void*)dst, src, 16); else std::memset((void*)dst, 0, 16);
-}
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
-inline float at_h2f(u32 w, int hi) { return f16_to_f32((u16)(hi ? w >> 16 : w & 0xFFFF)); }
-inline void at_ldsm(u32& r0, u32& r1, u32& r2, u32& r3, saddr addr, bool trans) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    at_emu_addr[w][lane] = addr;
-    __syncwarp();
-    u32* r[4] = {&r0, &r1, &r2, &r3};
-    for (int i = 0; i < 4; ++i) {
-        if (!trans) {
-            *r[i] = *(const u32*)(at_emu_addr[w][8 * i + lane / 4] + 4 * (lane % 4));
-        } else {
-            const u16 lo = *(const u16*)(at_emu_addr[w][8 * i + 2 * (lane % 4)] + 2 * (lane / 4));
-            const u16 hi = *(const u16*)(at_emu_addr[w][8 * i + 2 * (lane % 4) + 1] + 2 * (lane / 4));
-            *r[i] = (u32)lo | ((u32)hi << 16);
-        }
-    }
-    __syncwarp();
-}
-inline void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, saddr a) { at_ldsm(r0, r1, r2, r3, a, false); }
-inline void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, saddr a) { at_ldsm(r0, r1, r2, r3, a, true); }
-inline void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    u32* f = at_emu_frag[w][lane];
-    f[0] = a[0]; f[1] = a[1]; f[2] = a[2]; f[3] = a[3]; f[4] = b0; f[5] = b1;
-    __syncwarp();
-    // A[r][k]: row r = g' (+8 via a1/a3), k = 2t'+{0,1} (+8 via a2/a3) held by lane 4g'+t'
-    // B[k][c]: col c = g', k = 2t'+{0,1} (b0) or 2t'+8+{0,1} (b1) held by lane 4g'+t'
-    for (int e = 0; e < 4; ++e) {
-        const int r = g + 8 * (e >> 1), c = 2 * t + (e & 1);
-        float acc = d[e];
-        for (int k = 0; k < 16; ++k) {
-            const int tk = (k & 7) >> 1, hk = k & 1, kh = k >> 3;
-            const u32 aw = at_emu_frag[w][4 * (r & 7) + tk][(r >> 3) + 2 * kh];
-            const u32 bw = at_emu_frag[w][4 * c + tk][4 + kh];
-            acc += at_h2f(aw, hk) * at_h2f(bw, hk);
-        }
-        d[e] = acc;
-    }
-    __syncwarp();
-}
-inline u32 pack_f16x2(float lo, float hi) { return (u32)emu_f32_to_f16(lo) | ((u32)emu_f32_to_f16(hi) << 16); }
-#endif
+#include "attention_common.cuh"
 
 template <int HD, bool Q8>
 __device__ __forceinline__ void attn_prefill_body(
@@ -226,47 +140,12 @@ __device__ __forceinline__ void attn_prefill_body(
                 mma_f16(s[2 * j + 1], qa[kk], b2, b3);
             }
         }
-        if (k0 + AT_BK - 1 > wfirst) {                // the tile crosses the warp's diagonal
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + j * 8 + 2 * tig + (e & 1);
-                    if (key > prow + 8 * (e >> 1)) s[j][e] = AT_NEG_INF;
-                }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = AT_NEG_INF;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(mrow[r], mx);
-            const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
-            const float corr = exp2f(mrow[r] - muse);
-            mrow[r] = mnew;
-            float ls = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                s[j][2 * r] = exp2f(s[j][2 * r] - muse);
-                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
-                ls += s[j][2 * r] + s[j][2 * r + 1];
-            }
-            lrow[r] = fmaf(lrow[r], corr, ls);
-#pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                o[j][2 * r] *= corr;
-                o[j][2 * r + 1] *= corr;
-            }
-        }
+        if (k0 + AT_BK - 1 > wfirst) at_mask(s, k0, prow, tig);   // the tile crosses the warp's diagonal
+        at_softmax(s, o, mrow, lrow);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {              // 16 keys per k-step
             u32 pa[4];
-            pa[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            at_pack_p(pa, s, kk);
 #pragma unroll
             for (int j = 0; j < NO / 2; ++j) {
                 const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
@@ -280,58 +159,7 @@ __device__ __forceinline__ void attn_prefill_body(
     }
 
     if (idle) return;                                 // warp-uniform; no block barrier below
-    const int QD = H * HD;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = lrow[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = nf_div(1.0f, l);
-        const int lr = warp * 16 + g + 8 * r;         // row in the tile
-        const int t = row0 + lr;
-        const bool ok = lr < nq;
-        if (!Q8) {
-            if (ok) {
-#pragma unroll
-                for (int j = 0; j < NO; ++j)
-                    *reinterpret_cast<float2*>(O + (size_t)t * QD + h * HD + j * 8 + 2 * tig) =
-                        make_float2(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
-            }
-        } else {
-#pragma unroll
-            for (int c = 0; c < HD / 32; ++c) {
-                float v[8];
-                float amax = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    v[2 * i] = o[4 * c + i][2 * r] * inv;
-                    v[2 * i + 1] = o[4 * c + i][2 * r + 1] * inv;
-                    amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
-                }
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-                const float d = nf_div(amax, 127.0f);
-                const bool zero = __float_as_int(amax) == 0;
-                int qv[8], qs = 0;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    qv[i] = zero ? 0 : (int)roundf(nf_div(v[i], d));
-                    qs += qv[i];
-                }
-                qs += __shfl_xor_sync(0xffffffffu, qs, 1);
-                qs += __shfl_xor_sync(0xffffffffu, qs, 2);
-                if (ok) {
-                    i8* qrow = Oq + (size_t)t * QD + h * HD + 32 * c;
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        *reinterpret_cast<u16*>(qrow + i * 8 + 2 * tig) =
-                            (u16)((qv[2 * i] & 0xFF) | ((qv[2 * i + 1] & 0xFF) << 8));
-                    if (tig == 0)
-                        Ods[(size_t)t * (QD / 32) + h * (HD / 32) + c] = make_float2(d, __fmul_rn(d, (float)qs));
-                }
-            }
-        }
-    }
+    at_store<HD, Q8>(o, lrow, warp * 16, g, tig, row0, nq, h, H, O, Oq, Ods);
 }
 
 #define AT_INSTANCE(HDV, SUF, Q8V)                                                              \

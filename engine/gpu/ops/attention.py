@@ -25,6 +25,8 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
+# prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu
+PREFILL_VARIANTS = ("fa2",)
 # decode
 ATT_TK = 64                 # keys per attention tile (attention_decode.cu)
 
@@ -62,11 +64,15 @@ def _check_io(op: str, qh, kc, vc, out_act, out_f32, varlen: bool):
     return H, n, hd, KVH, maxT, name(hd, False), out_f32, null(), null()
 
 
-def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_dev=None) -> None:
+def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_dev=None,
+                      variant: str | None = None) -> None:
     """Causal GQA attention of the ubatch queries qh f16 [H, n, hd] (rope.cu's output) over the
     layer's cache kc/vc f16 [KVH, maxT, hd] (keys 0..start+n-1). Output: out_act (Q8Act
     [n, H*hd], the attn_output GEMM's input) or out_f32 (float32 [n, H*hd]); exactly one.
-    start_dev (int32 [1] on the device, or None) is added to start in the kernel."""
+    start_dev (int32 [1] on the device, or None) is added to start in the kernel. variant: one of
+    PREFILL_VARIANTS (None: the production choice)."""
+    if variant not in (None,) + PREFILL_VARIANTS:
+        raise ValueError(f"attention_prefill: unknown variant {variant!r} ({PREFILL_VARIANTS})")
     H, n, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, False)
     if start + n > maxT:
         raise ValueError(f"attention_prefill: tokens {start}..{start + n} exceed the cache ({maxT})")
