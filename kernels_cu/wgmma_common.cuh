@@ -45,24 +45,12 @@
 #include "common.cuh"
 #include "f16x2.cuh"
 #include "x16_tiles.cuh"
+#include "wgmma_ops.cuh"
 
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
 
-
-__device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
-    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
-}
-// The descriptor of saddr + off from that of saddr: the start field is bits 0..13 of the u64 (the
-// address / 16), and shared addresses stay below 2^18, so adding off / 16 never carries out of it
-// (one add instead of the mask-shift-or per wgmma).
-__device__ __forceinline__ u64 wg_desc_add(u64 desc, u32 off) { return desc + (off >> 4); }
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
@@ -83,45 +71,6 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// D[64 x BN] += A[64 x 16] (registers) . B[16 x BN] (shared, K-major, descriptor), BN = 32, 64, 128:
-// BN / 2 f32 accumulators per thread (d[4 i + e]: row g + 8 (e >> 1), column 8 i + 2 t + (e & 1)).
-#define WG_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
-#define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-#define WG_MMA(N) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 "
-#define WG_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-template <int BN>
-__device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc);
-template <>
-__device__ __forceinline__ void wgmma_n<32>(float (&d)[16], const u32 (&a)[4], u64 desc) {
-    asm volatile(WG_PRED WG_MMA(32)
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3) : WG_A4);
-}
-template <>
-__device__ __forceinline__ void wgmma_n<64>(float (&d)[32], const u32 (&a)[4], u64 desc) {
-    asm volatile(WG_PRED WG_MMA(64)
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7) : WG_A4);
-}
-template <>
-__device__ __forceinline__ void wgmma_n<128>(float (&d)[64], const u32 (&a)[4], u64 desc) {
-    asm volatile(WG_PRED WG_MMA(128)
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
-                   WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
-                 : WG_A4);
-}
-#undef WG_D4
-#undef WG_A4
-#undef WG_MMA
-#undef WG_PRED
 
 
 // Tokens per wgmma (BN) and wgmmas per k16 step (NH) of a BT-token tile.

@@ -278,14 +278,25 @@ def _attention_inputs(rng, H, KVH, hd, n, start, maxT, big=False):
     return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
 
 
+def _variant_runs(cp, variant):
+    """Skip a prefill attention variant this GPU cannot run (wgmma: sm_90; the emulator runs both)."""
+    if variant == "wgmma" and not getattr(cp, "__emulated__", False) \
+            and cp.cuda.Device().compute_capability != "90":
+        pytest.skip("attention_wgmma.cu needs an sm_90 GPU")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fa2", "wgmma"])
 @pytest.mark.parametrize("hd,H,KVH,n,start,big", [
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
-    (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True)])
-def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
+    (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True), (128, 7, 1, 200, 70, False)])
+def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
+    """Each prefill attention kernel (attention_prefill.cu mma.sync, attention_wgmma.cu Hopper)
+    against the numpy oracle within 2^-9 max|V|, f32 and q8_1 outputs (module docstring)."""
     from engine.gpu import ops
     from engine.reference.numerics import attention_f16 as attention_numpy
 
+    _variant_runs(cp, variant)
     emulated = getattr(cp, "__emulated__", False)
     maxT = start + n + 9
     q, k, v = _attention_inputs(rng, H, KVH, hd, n, start, maxT, big)
@@ -296,18 +307,18 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big):
     ref = attention_numpy(q, kf, vf, start)
     qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     out = cp.full((n, H * hd), np.nan, dtype=cp.float32)
-    ops.attention.attention_prefill(qd, kd, vd, start, out_f32=out)
+    ops.attention.attention_prefill(qd, kd, vd, start, out_f32=out, variant=variant)
     o = cp.asnumpy(out)
     vmax = float(np.nanmax(np.abs(v[:, :start + n].astype(np.float32))))
     err = float(np.max(np.abs(o - ref))) if np.isfinite(o).all() else float("inf")
     act = _q8(cp, n, H * hd)
-    ops.attention.attention_prefill(qd, kd, vd, start, out_act=act)
+    ops.attention.attention_prefill(qd, kd, vd, start, out_act=act, variant=variant)
     gq, gds = cp.asnumpy(act.q), cp.asnumpy(act.ds)
     deq = Q.dequantize_q8_1(gq, gds[..., 0])
     step = np.repeat(gds[..., 0], 32, axis=1)
     q8_excess = float(np.max(np.abs(deq - o) - step * (0.5 + 1e-6)))
     sm = int(np.sum(gds[..., 1].view(np.uint32) != Q.q8_1_block_sum(gq, gds[..., 0]).view(np.uint32)))
-    _report(test="prefill_attention", hd=hd, H=H, KVH=KVH, n=n, start=start, big=big, emulated=emulated,
+    _report(test="prefill_attention", variant=variant, hd=hd, H=H, KVH=KVH, n=n, start=start, big=big, emulated=emulated,
             max_err=err, bound=vmax * 2 ** -9, q8_excess=q8_excess, s_mismatches=sm)
     assert np.isfinite(o).all()
     assert err <= vmax * 2 ** -9

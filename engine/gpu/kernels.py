@@ -43,7 +43,7 @@ MMQ_NBUF = 2          # buffers per staged operand (common.cuh)
 # Files with sm_90a-only instructions (wgmma): NVRTC builds PTX for compute_90a and the driver
 # compiles it when the module loads (CuPy would add -arch=sm_90, and NVRTC 12.9's own sm_90a
 # back end crashed on wgmma code on the CPU). They load only on compute capability 9.0.
-SM90A_FILES = frozenset({"wgmma_q4_k.cu", "wgmma_q6_k.cu", "wgmma_pair.cu"})
+SM90A_FILES = frozenset({"wgmma_q4_k.cu", "wgmma_q6_k.cu", "wgmma_pair.cu", "attention_wgmma.cu"})
 SM90A_ARCH = "compute_90a"
 
 

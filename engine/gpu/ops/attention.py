@@ -15,6 +15,8 @@ split over keys then combined, q8_1 output for the Wo GEMV.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from engine.errors import GGUFError
@@ -25,8 +27,9 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
-# prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu
-PREFILL_VARIANTS = ("fa2",)
+# prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
+# any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
+PREFILL_VARIANTS = ("fa2", "wgmma")
 # decode
 ATT_TK = 64                 # keys per attention tile (attention_decode.cu)
 
@@ -37,8 +40,34 @@ def _cupy():
     return cp
 
 
-def attention_smem_bytes(head_dim: int) -> int:
-    return 5 * 64 * head_dim * 2
+ATT_WGMMA_BQ = 128          # queries per attention_wgmma.cu block (AW_BQ: two warpgroups)
+ATT_WGMMA_THREADS = 256
+ATT_WGMMA_STAGES = 3        # K/V tiles in flight (AW_STAGES)
+
+
+def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
+    """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows,
+    wgmma ATT_WGMMA_STAGES x (K, V) (Q staged through the stages)."""
+    return (2 * ATT_WGMMA_STAGES if variant == "wgmma" else 5) * 64 * head_dim * 2
+
+
+ATT_WGMMA_HEAD_DIMS = (128,)   # head sizes attention_wgmma.cu serves when chosen (HD 64: a wrong
+                               # result on the H100 at 2+ key tiles, perf-log Session 16)
+ATT_WGMMA_DEFAULT = False      # production stays on attention_prefill.cu until wgmma measures faster
+
+
+def prefill_variant(head_dim: int) -> str:
+    """The attention_prefill kernel for this head size: "wgmma" on an sm_90 GPU for the head
+    sizes of ATT_WGMMA_HEAD_DIMS when GGUF_PREFILL_ATTN=wgmma (or ATT_WGMMA_DEFAULT and the
+    variable unset), "fa2" otherwise (GGUF_PREFILL_ATTN=fa2: always)."""
+    env = os.environ.get("GGUF_PREFILL_ATTN", "").strip()
+    if env and env not in PREFILL_VARIANTS:
+        raise GGUFError(f"GGUF_PREFILL_ATTN={env!r}: one of {', '.join(PREFILL_VARIANTS)}")
+    if env == "fa2" or (not env and not ATT_WGMMA_DEFAULT) or head_dim not in ATT_WGMMA_HEAD_DIMS:
+        return "fa2"
+    import cupy
+
+    return "wgmma" if getattr(cupy.cuda.Device(), "compute_capability", "") == "90" else "fa2"
 
 
 def _check_io(op: str, qh, kc, vc, out_act, out_f32, varlen: bool):
@@ -71,16 +100,24 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     [n, H*hd], the attn_output GEMM's input) or out_f32 (float32 [n, H*hd]); exactly one.
     start_dev (int32 [1] on the device, or None) is added to start in the kernel. variant: one of
     PREFILL_VARIANTS (None: the production choice)."""
-    if variant not in (None,) + PREFILL_VARIANTS:
+    if variant is None:
+        variant = prefill_variant(int(qh.shape[2]))
+    if variant not in PREFILL_VARIANTS:
         raise ValueError(f"attention_prefill: unknown variant {variant!r} ({PREFILL_VARIANTS})")
     H, n, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, False)
     if start + n > maxT:
         raise ValueError(f"attention_prefill: tokens {start}..{start + n} exceed the cache ({maxT})")
     if n == 0:
         return
-    smem = attention_smem_bytes(hd)
-    k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
-    k(((n + ATT_BQ - 1) // ATT_BQ, H), (ATT_THREADS,),
+    smem = attention_smem_bytes(hd, variant)
+    if variant == "wgmma":
+        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out_act is not None),
+                               dynamic_smem=smem)
+        bq, nth = ATT_WGMMA_BQ, ATT_WGMMA_THREADS
+    else:
+        k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
+        bq, nth = ATT_BQ, ATT_THREADS
+    k(((n + bq - 1) // bq, H), (nth,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
 

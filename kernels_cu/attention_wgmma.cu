@@ -1,0 +1,189 @@
+// attention_wgmma.cu: causal GQA attention for prefill on Hopper warpgroup MMAs (sm_90a, issue
+// 14): attention_prefill.cu's loop and arithmetic (attention_common.cuh: the same mask, online
+// softmax in the exp2 domain, f16 P, f32 accumulation, output store), with both products on
+// wgmma instead of per-warp mma.sync:
+//   S (64 queries x 64 keys) = Q K^T: wgmma.m64n64k16 x HD/16, A = Q from registers (the
+//                              mma.m16n8k16 A fragments, loaded once by ldmatrix), B = the K tile;
+//   O (64 x HD) += P V:        wgmma.m64n{HD}k16 x 4, A = P from registers (at_pack_p), B = the
+//                              V tile read transposed (MN-major) by the descriptor.
+// One warpgroup reads each K/V tile from shared memory once for its 64 queries (mma.sync: each of
+// 4 warps once for 16), and the MMAs run asynchronously to the issuing warps.
+//
+// In / out: as attention_prefill.cu's one-sequence entry (Q f16 [H, n, HD] pre-scaled by
+// log2(e)/sqrt(HD); Kc, Vc f16 [KVH, maxT, HD]; f32 or q8_1 output rows; query head h reads KV
+// head h / (H / KVH); start = start0 + (*startp if given)).
+// Shared memory: 2 stages x (K tile, V tile), each 64 keys x HD f16 in the core-matrix layout
+// both descriptors read (wgmma_ops.cuh): byte of (key, d) = (key / 8) * (HD * 16) + (d / 8) * 128
+// + (key % 8) * 16 + (d % 8) * 2. K as B of S (K-major, k = d): LBO 128, SBO HD * 16, k16 step s
+// at + 256 s. V as B of O (MN-major, k = key): LBO HD * 16, SBO 128, k16 step s at + s * HD * 32.
+// Loaded by cp.async (16 bytes a thread: 8 keys x 4 chunks per warp instruction, 512
+// contiguous shared bytes), keys past the block's last query zero-filled; then
+// fence.proxy.async and a barrier before the wgmmas read them. Q is staged once through stage
+// 1's K buffer (rows of HD f16, chunk c of row r at c ^ (r & 7), for ldmatrix).
+// Loop per key tile kt: wait for tile kt's copies; fence; barrier (tile kt visible; tile kt-1's
+// wgmmas done, so its buffer is free); cp.async tile kt+1 (after the fence: a proxy fence waits
+// for the copies in flight); S wgmmas; wait; mask (tiles crossing a warp's diagonal), softmax;
+// P V wgmmas; wait. wg_keep after each wait pins the accumulators (and P) to it, so the compiler
+// moves no use of them above it. Warps whose rows are past the tile's queries still take part
+// (a wgmma is warpgroup-wide) and store nothing.
+// Grid (ceil(n / 64), H), q tiles in reverse order (longest first); 128 threads; dynamic smem
+// 4 * 64 * HD * 2 bytes (64 KB at HD = 128).
+#include "attention_common.cuh"
+#include "wgmma_ops.cuh"
+
+#ifndef AW_STAGES
+#define AW_STAGES 3                       // K/V tiles in shared memory (loaded AW_STAGES - 1 ahead)
+#endif
+#define AW_BQ 128                         // queries per block: two warpgroups of 64
+#define AW_NTH 256
+
+template <int HD, bool Q8>
+__device__ __forceinline__ void attn_wgmma_body(
+        const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
+        float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
+        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT) {
+    constexpr int CH = HD / 8;            // 16-byte chunks per row
+    constexpr int KS = HD / 16;           // k16 steps of Q K^T
+    constexpr int NO = HD / 8;            // n8 blocks of O
+    constexpr int ROWB = HD * 2;
+    constexpr int TILE = AT_BK * ROWB;    // bytes of one 64-key tile
+    constexpr int STAGE = 2 * TILE;       // K and V
+    constexpr u32 GRP = HD * 16;          // bytes of 8 keys (one core-matrix row of the tile)
+    static_assert(AT_BK == 64, "64-key tiles");
+    static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
+    static_assert(AW_STAGES >= 2 && AW_BQ * ROWB <= STAGE * (AW_STAGES - 1), "Q staged in stages 1..");
+
+#ifndef GGP_EMU
+    extern __shared__ __align__(128) u8 smem[];
+    const u32 sbase = smem_u32(smem);     // descriptors: shared addresses
+#else
+    u8* smem = at_emu_smem;
+    wg_emu_smem = smem;
+    const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
+#endif
+    if (dyn_smem_bytes() < (u32)(AW_STAGES * STAGE)) __trap();
+    const saddr s0 = smem_u32(smem);
+    const saddr sQ = s0 + STAGE;          // stages 1.., until tile 1 is loaded
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int g = lane >> 2, tig = lane & 3;
+    const int h = blockIdx.y, kvh = h / (H / KVH);
+    const int L = pos0 + nq;                          // keys of the tile's last query
+    const int nkt = (L - 1) / AT_BK + 1;
+    const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
+#ifndef GGP_EMU
+    const int wg_last = min(pos0 + 64 * wg + 63, L - 1);   // position of the warpgroup's last query
+#else
+    const int wg_last = L - 1;            // emulation: every warpgroup issues every wgmma
+#endif
+
+    const u16* Qh = Q + ((size_t)h * T + row0) * HD;
+    const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
+    const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
+
+    for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {
+        const int row = p / CH, ch = p % CH;
+        const bool ok = row < nq;
+        cp_async16(sQ + row * ROWB + ((ch ^ (row & 7)) << 4), Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
+    }
+    // Copy p of a tile: a quarter warp (8 lanes: the unit of a 16-byte access) reads 4 keys x 2
+    // chunks, four whole 32-byte sectors; its shared writes: two 64-byte runs (2-way conflict).
+    auto load_kv = [&](int kt) {
+        const u32 buf = (kt % AW_STAGES) * STAGE;
+#pragma unroll
+        for (int p = tid; p < AT_BK * CH; p += AW_NTH) {
+            const int r = p >> 3, q = p & 7;
+            const int kin = 4 * (r / (CH / 2)) + (q & 3), ch = 2 * (r % (CH / 2)) + (q >> 2);
+            const int key = kt * AT_BK + kin;
+            const bool ok = key < L;
+            const size_t off = (size_t)(ok ? key : 0) * HD + ch * 8;
+            const u32 dst = buf + (kin >> 3) * GRP + ch * 128 + (kin & 7) * 16;
+            cp_async16(s0 + dst, Kh + off, ok ? 16 : 0);
+            cp_async16(s0 + dst + TILE, Vh + off, ok ? 16 : 0);
+        }
+    };
+    load_kv(0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        const int row = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int ch = 2 * kk + (lane >> 4);
+        ldmatrix_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + row * ROWB + ((ch ^ (row & 7)) << 4));
+    }
+    __syncthreads();                                  // Q's staging buffers are free
+#pragma unroll
+    for (int j = 1; j < AW_STAGES - 1; ++j) {
+        if (j < nkt) load_kv(j);
+        cp_async_commit();
+    }
+
+    float o[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float mrow[2] = {AT_NEG_INF, AT_NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    const int wfirst = pos0 + warp * 16;              // position of the warp's first query
+    const int prow = wfirst + g;                      // rows g and g + 8
+
+    for (int kt = 0; kt < nkt; ++kt) {
+        cp_async_wait<AW_STAGES - 2>();               // this thread's copies of tile kt landed
+        fence_proxy_async();
+        __syncthreads();                              // every thread's, visible to the wgmmas; tile
+                                                      // kt-1's wgmmas done, its buffer free
+#ifdef AW_FENCE_AFTER
+        fence_proxy_async();
+#endif
+        if (kt + AW_STAGES - 1 < nkt) load_kv(kt + AW_STAGES - 1);
+        cp_async_commit();
+        const int k0 = kt * AT_BK;
+        if (k0 > wg_last) continue;                   // warpgroup-uniform: no query of it sees these keys
+        const u32 kdesc = sbase + (kt % AW_STAGES) * STAGE, vdesc = kdesc + TILE;
+
+        float s[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            const u64 d = wg_desc(kdesc + kk * 256, 128, GRP);
+            if (kk == 0) wgmma_n<64, 0, 0>(reinterpret_cast<float(&)[32]>(s), qa[kk], d);
+            else wgmma_n<64, 0, 1>(reinterpret_cast<float(&)[32]>(s), qa[kk], d);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_keep(reinterpret_cast<float(&)[32]>(s));   // no read of s above the wait
+        if (k0 + AT_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
+        at_softmax(s, o, mrow, lrow);
+        u32 pa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) at_pack_p(pa[kk], s, kk);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc(vdesc + kk * 2 * GRP, GRP, 128));
+        wg_commit();
+        wg_wait<0>();
+        wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
+        wg_keep(reinterpret_cast<u32(&)[16]>(pa));    // P's registers live until the wgmmas read them
+    }
+
+    if (idle) return;                                 // warp-uniform; no block barrier below
+    at_store<HD, Q8>(o, lrow, warp * 16, g, tig, row0, nq, h, H, O, Oq, Ods);
+}
+
+#define AW_INSTANCE(HDV, SUF, Q8V)                                                              \
+    extern "C" __global__ void __launch_bounds__(AW_NTH, 1)                                     \
+    attn_wgmma_h##HDV##_##SUF(const u16* __restrict__ Q, const u16* __restrict__ Kc,            \
+                              const u16* __restrict__ Vc, float* __restrict__ O,                \
+                              i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,      \
+                              int KVH, const int* __restrict__ startp, int start0, int maxT) {   \
+        pdl_entry();                                                                            \
+        const int q0 = (gridDim.x - 1 - blockIdx.x) * AW_BQ;                                    \
+        attn_wgmma_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),    \
+                                  start0 + (startp ? *startp : 0) + q0, 0, maxT);              \
+    }
+
+AW_INSTANCE(64, f32, false)
+AW_INSTANCE(64, q8, true)
+AW_INSTANCE(128, f32, false)
+AW_INSTANCE(128, q8, true)

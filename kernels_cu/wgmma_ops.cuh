@@ -1,0 +1,121 @@
+// wgmma_ops.cuh: the Hopper (sm_90a) warpgroup MMA building blocks shared by the wgmma GEMMs
+// (wgmma_common.cuh) and the wgmma attention (attention_wgmma.cu).
+//
+// wgmma_n<BN, TB, ACC>(d, a, desc): D[64 x BN] (+)= A[64 x 16] . B[16 x BN], f16 inputs, f32
+// accumulation; A from registers (per warp v of the warpgroup rows 16v..16v+15 in the
+// mma.m16n8k16 A layout: lane (g, t) holds rows g, g+8 and k 2t, 2t+1, 2t+8, 2t+9), B from shared
+// memory through a descriptor; BN / 2 accumulators per thread, d[4 i + e] = (row g + 8 (e >> 1),
+// column 8 i + 2 t + (e & 1)). ACC = 0: D = A . B (scale-d 0), else D += A . B.
+// B layouts, no swizzle, built from core matrices of 8 rows x 16 contiguous bytes (128 bytes):
+//   TB = 0 (K-major): a core matrix is 8 columns n x 8 k, byte (n % 8) * 16 + (k % 8) * 2;
+//   TB = 1 (MN-major, "transposed"): 8 k x 8 columns n, byte (k % 8) * 16 + (n % 8) * 2.
+//   Either way the core matrix of (k / 8, n / 8) starts at start + (k / 8) * LBO + (n / 8) * SBO
+//   (PTX ISA "matrix descriptor": LBO along K, SBO along M/N in the no-swizzle mode).
+// Descriptor (wg_desc): start / 16 in bits 0..13, LBO / 16 in 16..29, SBO / 16 in 32..45.
+// Under the CPU emulator (GGP_EMU) wgmma_n computes its result at issue, for blocks of one or two
+// warpgroups (128 or 256 threads) whose every thread issues it (a block barrier inside), with
+// shared addresses as offsets from wg_emu_smem.
+#pragma once
+#include "common.cuh"
+
+#ifndef GGP_EMU
+__device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+// The descriptor of saddr + off from that of saddr: the start field is bits 0..13 of the u64 (the
+// address / 16), and shared addresses stay below 2^18, so adding off / 16 never carries out of it
+// (one add instead of the mask-shift-or per wgmma).
+__device__ __forceinline__ u64 wg_desc_add(u64 desc, u32 off) { return desc + (off >> 4); }
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// An empty asm that reads and redefines each register: uses of d (wgmma accumulators, read
+// asynchronously) stay after the wgmma.wait_group issued before it, and registers that a wgmma
+// reads stay allocated until then.
+template <int N>
+__device__ __forceinline__ void wg_keep(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_keep(u32 (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i]) :: "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
+// (wgmma operands read through descriptors); each writing thread, before the barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#define WG_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
+#define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(ACC), "n"(TB)
+#define WG_MMA(N) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 "
+#define WG_PRED(I) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I ", 0;\n"
+template <int BN, int TB = 0, int ACC = 1>
+__device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
+    static_assert(BN == 32 || BN == 64 || BN == 128, "BN: 32, 64 or 128");
+    if constexpr (BN == 32) {
+        asm volatile(WG_PRED(21) WG_MMA(32)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3) : WG_A4);
+    } else if constexpr (BN == 64) {
+        asm volatile(WG_PRED(37) WG_MMA(64)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7) : WG_A4);
+    } else {
+        asm volatile(WG_PRED(69) WG_MMA(128)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
+                       WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+                     : WG_A4);
+    }
+}
+#undef WG_D4
+#undef WG_A4
+#undef WG_MMA
+#undef WG_PRED
+
+#else
+static u8* wg_emu_smem = nullptr;           // the block's shared memory (set by the kernel)
+static u32 wg_emu_a[256][4];
+inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+inline u64 wg_desc_add(u64 desc, u32 off) { return desc + (off >> 4); }
+inline void wg_fence() {}
+inline void wg_commit() {}
+template <int N> inline void wg_wait() {}
+template <int N> inline void wg_keep(float (&)[N]) {}
+template <int N> inline void wg_keep(u32 (&)[N]) {}
+inline void fence_proxy_async() {}
+template <int BN, int TB = 0, int ACC = 1>
+inline void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
+    if ((blockDim.x != 128 && blockDim.x != 256) || blockDim.y != 1 || !wg_emu_smem) std::abort();
+    const int tid = threadIdx.x, wg0 = tid & ~127, w = (tid & 127) >> 5, g = (tid & 31) >> 2, t = tid & 3;
+    for (int i = 0; i < 4; ++i) wg_emu_a[tid][i] = a[i];
+    __syncthreads();
+    const u32 start = (u32)(desc & 0x3FFF) << 4, lbo = (u32)((desc >> 16) & 0x3FFF) << 4,
+              sbo = (u32)((desc >> 32) & 0x3FFF) << 4;
+    for (int i = 0; i < BN / 2; ++i) {
+        const int r = 16 * w + g + 8 * ((i & 3) >> 1), c = 8 * (i >> 2) + 2 * t + (i & 1);
+        float acc = ACC ? d[i] : 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            // A[r][k]: warp r / 16, lane 4 (r % 8) + (k % 8) / 2, register (r % 16 >= 8) + 2 (k >= 8)
+            const u32 aw = wg_emu_a[wg0 + 32 * (r >> 4) + 4 * (r & 7) + ((k & 7) >> 1)][((r >> 3) & 1) + 2 * (k >> 3)];
+            const u32 in = TB ? (k & 7) * 16 + (c & 7) * 2 : (c & 7) * 16 + (k & 7) * 2;
+            const u16 b = *(const u16*)(wg_emu_smem + start + (k >> 3) * lbo + (c >> 3) * sbo + in);
+            acc += f16_to_f32((u16)((k & 1) ? aw >> 16 : aw & 0xFFFF)) * f16_to_f32(b);
+        }
+        d[i] = acc;
+    }
+    __syncthreads();
+}
+#endif
