@@ -49,7 +49,7 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
 // ---- CPU emulation (tests/cuda_emu: one fiber per thread, __syncwarp a warp barrier) of the
 // PTX used above, from the PTX ISA fragment definitions; shared addresses are host pointers.
 typedef unsigned long long saddr;
-static u8 at_emu_smem[AT_SMEM_MAX] __attribute__((aligned(16)));
+static u8 at_emu_smem[AT_SMEM_MAX] __attribute__((aligned(1024)));
 static unsigned long long at_emu_addr[32][32];
 static u32 at_emu_frag[32][32][6];
 inline saddr smem_u32(const void* p) { return (saddr)p; }

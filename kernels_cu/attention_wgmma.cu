@@ -12,14 +12,16 @@
 // In / out: as attention_prefill.cu's one-sequence entry (Q f16 [H, n, HD] pre-scaled by
 // log2(e)/sqrt(HD); Kc, Vc f16 [KVH, maxT, HD]; f32 or q8_1 output rows; query head h reads KV
 // head h / (H / KVH); start = start0 + (*startp if given)).
-// Shared memory: 2 stages x (K tile, V tile), each 64 keys x HD f16 in the core-matrix layout
-// both descriptors read (wgmma_ops.cuh): byte of (key, d) = (key / 8) * (HD * 16) + (d / 8) * 128
-// + (key % 8) * 16 + (d % 8) * 2. K as B of S (K-major, k = d): LBO 128, SBO HD * 16, k16 step s
-// at + 256 s. V as B of O (MN-major, k = key): LBO HD * 16, SBO 128, k16 step s at + s * HD * 32.
-// Loaded by cp.async (16 bytes a thread: 8 keys x 4 chunks per warp instruction, 512
-// contiguous shared bytes), keys past the block's last query zero-filled; then
+// Shared memory: AW_STAGES stages x (K tile, V tile), each 64 keys x HD f16 in the 128-byte
+// swizzled layout that both descriptors read (wgmma_ops.cuh): atom column a (d = 64 a .. 64 a + 63)
+// at a * 8 KB, key k's 128-byte row of it at k * 128, its 16-byte chunk c (d = 64 a + 8 c ..) at
+// chunk c ^ (k % 8) (the hardware's XOR of address bits 4..6 with 7..9; stages 1 KB aligned).
+// K as B of S (K-major, k = d): SBO 1024 (8 keys), k16 step s at + (s / 4) * 8 KB + (s % 4) * 32.
+// V as B of O (MN-major, k = key): LBO 8 KB (64 columns), SBO 1024 (8 keys), k16 step s at
+// + s * 2 KB. Loaded by cp.async (a warp reads two whole key rows of HD = 128: coalesced, and
+// writes whole 128-byte rows: conflict-free), keys past the block's last query zero-filled; then
 // fence.proxy.async and a barrier before the wgmmas read them. Q is staged once through stage
-// 1's K buffer (rows of HD f16, chunk c of row r at c ^ (r & 7), for ldmatrix).
+// 1 (rows of HD f16, chunk c of row r at c ^ (r & 7), for ldmatrix).
 // Loop per key tile kt: wait for tile kt's copies; fence; barrier (tile kt visible; tile kt-1's
 // wgmmas done, so its buffer is free); cp.async tile kt+1 (after the fence: a proxy fence waits
 // for the copies in flight); S wgmmas; wait; mask (tiles crossing a warp's diagonal), softmax;
@@ -33,6 +35,10 @@
 
 #ifndef AW_STAGES
 #define AW_STAGES 3                       // K/V tiles in shared memory (loaded AW_STAGES - 1 ahead)
+#endif
+#ifndef AW_V_LBO                          // V (MN-major, 128-byte swizzle): LBO = the next 64 columns
+#define AW_V_LBO ATOM                     // (atom column), SBO = the next 8 keys (PTX ISA / CUTLASS's
+#define AW_V_SBO 1024                     // canonical MN-major form); defines swap them for checks
 #endif
 #define AW_BQ 128                         // queries per block: two warpgroups of 64
 #define AW_NTH 256
@@ -48,20 +54,20 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr int ROWB = HD * 2;
     constexpr int TILE = AT_BK * ROWB;    // bytes of one 64-key tile
     constexpr int STAGE = 2 * TILE;       // K and V
-    constexpr u32 GRP = HD * 16;          // bytes of 8 keys (one core-matrix row of the tile)
+    constexpr u32 ATOM = AT_BK * 128;     // bytes of one 64-column atom column of a tile
     static_assert(AT_BK == 64, "64-key tiles");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
     static_assert(AW_STAGES >= 2 && AW_BQ * ROWB <= STAGE * (AW_STAGES - 1), "Q staged in stages 1..");
 
 #ifndef GGP_EMU
-    extern __shared__ __align__(128) u8 smem[];
+    extern __shared__ __align__(1024) u8 smem[];
     const u32 sbase = smem_u32(smem);     // descriptors: shared addresses
 #else
     u8* smem = at_emu_smem;
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    if (dyn_smem_bytes() < (u32)(AW_STAGES * STAGE)) __trap();
+    if (dyn_smem_bytes() < (u32)(AW_STAGES * STAGE) || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
     const saddr sQ = s0 + STAGE;          // stages 1.., until tile 1 is loaded
 
@@ -86,18 +92,17 @@ __device__ __forceinline__ void attn_wgmma_body(
         const bool ok = row < nq;
         cp_async16(sQ + row * ROWB + ((ch ^ (row & 7)) << 4), Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
     }
-    // Copy p of a tile: a quarter warp (8 lanes: the unit of a 16-byte access) reads 4 keys x 2
-    // chunks, four whole 32-byte sectors; its shared writes: two 64-byte runs (2-way conflict).
+    // Copy p of a tile: chunk p % CH of key p / CH (a warp reads whole key rows); its 8-chunk
+    // piece of a 128-byte atom row lands permuted within that row (conflict-free).
     auto load_kv = [&](int kt) {
         const u32 buf = (kt % AW_STAGES) * STAGE;
 #pragma unroll
         for (int p = tid; p < AT_BK * CH; p += AW_NTH) {
-            const int r = p >> 3, q = p & 7;
-            const int kin = 4 * (r / (CH / 2)) + (q & 3), ch = 2 * (r % (CH / 2)) + (q >> 2);
+            const int kin = p / CH, ch = p % CH;
             const int key = kt * AT_BK + kin;
             const bool ok = key < L;
             const size_t off = (size_t)(ok ? key : 0) * HD + ch * 8;
-            const u32 dst = buf + (kin >> 3) * GRP + ch * 128 + (kin & 7) * 16;
+            const u32 dst = buf + (ch >> 3) * ATOM + kin * 128 + (((ch & 7) ^ (kin & 7)) << 4);
             cp_async16(s0 + dst, Kh + off, ok ? 16 : 0);
             cp_async16(s0 + dst + TILE, Vh + off, ok ? 16 : 0);
         }
@@ -145,7 +150,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
-            const u64 d = wg_desc(kdesc + kk * 256, 128, GRP);
+            const u64 d = wg_desc_sw128(kdesc + (kk >> 2) * ATOM + (kk & 3) * 32, 16, 1024);
             if (kk == 0) wgmma_n<64, 0, 0>(reinterpret_cast<float(&)[32]>(s), qa[kk], d);
             else wgmma_n<64, 0, 1>(reinterpret_cast<float(&)[32]>(s), qa[kk], d);
         }
@@ -160,7 +165,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc(vdesc + kk * 2 * GRP, GRP, 128));
+            wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_sw128(vdesc + kk * 2048, AW_V_LBO, AW_V_SBO));
         wg_commit();
         wg_wait<0>();
         wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));

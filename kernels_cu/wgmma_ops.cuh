@@ -12,6 +12,10 @@
 //   Either way the core matrix of (k / 8, n / 8) starts at start + (k / 8) * LBO + (n / 8) * SBO
 //   (PTX ISA "matrix descriptor": LBO along K, SBO along M/N in the no-swizzle mode).
 // Descriptor (wg_desc): start / 16 in bits 0..13, LBO / 16 in 16..29, SBO / 16 in 32..45.
+// wg_desc_sw128: the 128-byte swizzle mode (bits 62..63 = 1): the canonical layout's 16-byte
+// chunk at address a sits at a ^ (((a >> 7) & 7) << 4) (1 KB aligned patterns of 8 rows x 128 B):
+//   K-major: row n (of 8-row groups SBO apart) holds 64 k in 128 B; a k16 step starts 32 B on;
+//   MN-major: row k (of 8-row groups SBO apart) holds 64 columns n in 128 B, the next 64 at LBO.
 // Under the CPU emulator (GGP_EMU) wgmma_n computes its result at issue, for blocks of one or two
 // warpgroups (128 or 256 threads) whose every thread issues it (a block barrier inside), with
 // shared addresses as offsets from wg_emu_smem.
@@ -21,6 +25,9 @@
 #ifndef GGP_EMU
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ u64 wg_desc_sw128(u32 saddr, u32 lbo, u32 sbo) {
+    return wg_desc(saddr, lbo, sbo) | (1ull << 62);
 }
 // The descriptor of saddr + off from that of saddr: the start field is bits 0..13 of the u64 (the
 // address / 16), and shared addresses stay below 2^18, so adding off / 16 never carries out of it
@@ -90,6 +97,7 @@ inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
 inline u64 wg_desc_add(u64 desc, u32 off) { return desc + (off >> 4); }
+inline u64 wg_desc_sw128(u32 saddr, u32 lbo, u32 sbo) { return wg_desc(saddr, lbo, sbo) | (1ull << 62); }
 inline void wg_fence() {}
 inline void wg_commit() {}
 template <int N> inline void wg_wait() {}
@@ -104,14 +112,24 @@ inline void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
     __syncthreads();
     const u32 start = (u32)(desc & 0x3FFF) << 4, lbo = (u32)((desc >> 16) & 0x3FFF) << 4,
               sbo = (u32)((desc >> 32) & 0x3FFF) << 4;
+    const int mode = (int)(desc >> 62);
+    if (mode != 0 && mode != 1) std::abort();     // no swizzle or 128-byte swizzle only
+    const bool sw128 = mode == 1;
     for (int i = 0; i < BN / 2; ++i) {
         const int r = 16 * w + g + 8 * ((i & 3) >> 1), c = 8 * (i >> 2) + 2 * t + (i & 1);
         float acc = ACC ? d[i] : 0.0f;
         for (int k = 0; k < 16; ++k) {
             // A[r][k]: warp r / 16, lane 4 (r % 8) + (k % 8) / 2, register (r % 16 >= 8) + 2 (k >= 8)
             const u32 aw = wg_emu_a[wg0 + 32 * (r >> 4) + 4 * (r & 7) + ((k & 7) >> 1)][((r >> 3) & 1) + 2 * (k >> 3)];
-            const u32 in = TB ? (k & 7) * 16 + (c & 7) * 2 : (c & 7) * 16 + (k & 7) * 2;
-            const u16 b = *(const u16*)(wg_emu_smem + start + (k >> 3) * lbo + (c >> 3) * sbo + in);
+            u32 at;
+            if (!sw128) {
+                at = start + (k >> 3) * lbo + (c >> 3) * sbo + (TB ? (k & 7) * 16 + (c & 7) * 2 : (c & 7) * 16 + (k & 7) * 2);
+            } else {
+                at = TB ? start + (c >> 6) * lbo + (k >> 3) * sbo + (k & 7) * 128 + (c & 63) * 2
+                        : start + (c >> 3) * sbo + (c & 7) * 128 + k * 2;
+                at ^= ((at >> 7) & 7) << 4;
+            }
+            const u16 b = *(const u16*)(wg_emu_smem + at);
             acc += f16_to_f32((u16)((k & 1) ? aw >> 16 : aw & 0xFFFF)) * f16_to_f32(b);
         }
         d[i] = acc;
