@@ -6,8 +6,9 @@
 //                              mma.m16n8k16 A fragments, loaded once by ldmatrix), B = the K tile;
 //   O (64 x HD) += P V:        wgmma.m64n{HD}k16 x 4, A = P from registers (at_pack_p), B = the
 //                              V tile read transposed (MN-major) by the descriptor.
-// One warpgroup reads each K/V tile from shared memory once for its 64 queries (mma.sync: each of
-// 4 warps once for 16), and the MMAs run asynchronously to the issuing warps.
+// A block is two warpgroups (128 queries, 64 each) sharing each K/V tile, so a tile is read from
+// L2 once per 128 queries (attention_prefill.cu: once per 64) and from shared memory once per
+// warpgroup (mma.sync: once per warp), and the MMAs run asynchronously to the issuing warps.
 //
 // In / out: as attention_prefill.cu's one-sequence entry (Q f16 [H, n, HD] pre-scaled by
 // log2(e)/sqrt(HD); Kc, Vc f16 [KVH, maxT, HD]; f32 or q8_1 output rows; query head h reads KV
@@ -23,13 +24,18 @@
 // fence.proxy.async and a barrier before the wgmmas read them. Q is staged once through stage
 // 1 (rows of HD f16, chunk c of row r at c ^ (r & 7), for ldmatrix).
 // Loop per key tile kt: wait for tile kt's copies; fence; barrier (tile kt visible; tile kt-1's
-// wgmmas done, so its buffer is free); cp.async tile kt+1 (after the fence: a proxy fence waits
-// for the copies in flight); S wgmmas; wait; mask (tiles crossing a warp's diagonal), softmax;
-// P V wgmmas; wait. wg_keep after each wait pins the accumulators (and P) to it, so the compiler
-// moves no use of them above it. Warps whose rows are past the tile's queries still take part
-// (a wgmma is warpgroup-wide) and store nothing.
-// Grid (ceil(n / 64), H), q tiles in reverse order (longest first); 128 threads; dynamic smem
-// 4 * 64 * HD * 2 bytes (64 KB at HD = 128).
+// wgmmas done, so its buffer is free); cp.async tile kt + AW_STAGES - 1 (after the fence: a proxy
+// fence waits for the copies in flight); a warpgroup none of whose queries sees the tile's keys
+// skips the rest; S wgmmas; wait; mask (tiles crossing a warp's diagonal), softmax; P V wgmmas;
+// wait. wg_keep after each wait pins the accumulators (and P) to it, so the compiler moves no
+// use of them above it. Warps whose rows are past the tile's queries still take part (a wgmma is
+// warpgroup-wide) and store nothing.
+// Known defect: at HD = 64 ptxas reuses the Q fragments' registers after the first S wgmma
+// (SASS: P is packed into them), so key tiles after the first are wrong; production runs HD = 64
+// on attention_prefill.cu (engine.gpu.ops.attention.ATT_WGMMA_HEAD_DIMS). Next: Q as a
+// shared-memory (descriptor) operand.
+// Grid (ceil(n / 128), H), q tiles in reverse order (longest first); 256 threads; dynamic smem
+// AW_STAGES * 2 * 64 * HD * 2 bytes (96 KB at HD = 128).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 

@@ -327,6 +327,33 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
 
 # ----------------------------------------------------------------------------- batched step (varlen)
 
+def test_prefill_variant_rule(monkeypatch):
+    """The production prefill attention: wgmma on sm_90 for head size 128 only, fa2 for other
+    head sizes and GPUs; GGUF_PREFILL_ATTN=fa2 forces fa2, an unknown value is a named error."""
+    import types
+
+    from engine.errors import GGUFError
+    from engine.gpu.ops.attention import prefill_variant
+
+    def gpu(cc):
+        dev = types.SimpleNamespace(compute_capability=cc)
+        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: dev)))
+
+    monkeypatch.delenv("GGUF_PREFILL_ATTN", raising=False)
+    gpu("90")
+    assert prefill_variant(128) == "wgmma" and prefill_variant(64) == "fa2"
+    gpu("89")
+    assert prefill_variant(128) == "fa2"
+    gpu("90")
+    monkeypatch.setenv("GGUF_PREFILL_ATTN", "fa2")
+    assert prefill_variant(128) == "fa2"
+    monkeypatch.setenv("GGUF_PREFILL_ATTN", "wgmma")
+    assert prefill_variant(128) == "wgmma" and prefill_variant(64) == "fa2"
+    monkeypatch.setenv("GGUF_PREFILL_ATTN", "flash")
+    with pytest.raises(GGUFError, match="GGUF_PREFILL_ATTN"):
+        prefill_variant(128)
+
+
 def test_varlen_tiles_host():
     """The tiles of a batch: each sequence cut as the one-sequence kernel cuts it, the longest
     key range first, zero tiles up to the grid; the grid bound holds for every split of T rows."""

@@ -1,7 +1,9 @@
 """Attention launchers.
 
-Prefill (attention_prefill.cu): causal GQA flash attention of a ubatch of queries (f16 [H, n, hd],
-rope.cu's output) over the layer's f16 cache, q8_1 or float32 output.
+Prefill (attention_prefill.cu, mma.sync; attention_wgmma.cu, Hopper wgmma, chosen by
+prefill_variant): causal GQA flash attention of a ubatch of queries (f16 [H, n, hd], rope.cu's
+output) over the layer's f16 cache, q8_1 or float32 output (the two gave the same bits in every
+measured case).
 
 Varlen (attention_prefill.cu's varlen entry): a batched step mixing sequences (continuous
 batching): the rows of several sequences, each at its own positions over its own cache rows,
@@ -51,19 +53,22 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     return (2 * ATT_WGMMA_STAGES if variant == "wgmma" else 5) * 64 * head_dim * 2
 
 
-ATT_WGMMA_HEAD_DIMS = (128,)   # head sizes attention_wgmma.cu serves when chosen (HD 64: a wrong
-                               # result on the H100 at 2+ key tiles, perf-log Session 16)
-ATT_WGMMA_DEFAULT = False      # production stays on attention_prefill.cu until wgmma measures faster
+# Head sizes attention_wgmma.cu serves in production. Head size 64 is wrong on the GPU from the
+# second key tile on: ptxas gives the registers of the Q fragments (the S wgmma's A operand, live
+# across the key loop in the PTX) to P and scratch values after the first S (SASS; perf-log
+# Session 16); HD 128's allocation keeps them. The fix to make is Q read from shared memory
+# through a descriptor.
+ATT_WGMMA_HEAD_DIMS = (128,)
 
 
 def prefill_variant(head_dim: int) -> str:
     """The attention_prefill kernel for this head size: "wgmma" on an sm_90 GPU for the head
-    sizes of ATT_WGMMA_HEAD_DIMS when GGUF_PREFILL_ATTN=wgmma (or ATT_WGMMA_DEFAULT and the
-    variable unset), "fa2" otherwise (GGUF_PREFILL_ATTN=fa2: always)."""
+    sizes of ATT_WGMMA_HEAD_DIMS (measured 1.19-1.27x attention_prefill.cu on the H100, outputs
+    bit-identical), "fa2" otherwise; GGUF_PREFILL_ATTN=fa2 forces "fa2" (A/B runs)."""
     env = os.environ.get("GGUF_PREFILL_ATTN", "").strip()
     if env and env not in PREFILL_VARIANTS:
         raise GGUFError(f"GGUF_PREFILL_ATTN={env!r}: one of {', '.join(PREFILL_VARIANTS)}")
-    if env == "fa2" or (not env and not ATT_WGMMA_DEFAULT) or head_dim not in ATT_WGMMA_HEAD_DIMS:
+    if env == "fa2" or head_dim not in ATT_WGMMA_HEAD_DIMS:
         return "fa2"
     import cupy
 
