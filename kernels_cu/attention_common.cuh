@@ -1,7 +1,7 @@
 // attention_common.cuh: the pieces of the prefill attention kernels (attention_prefill.cu:
 // mma.sync, FlashAttention-2 loop; attention_wgmma.cu: Hopper wgmma) that do the same arithmetic
 // on the same register fragments.
-//
+//   at_stage_q, at_q_frags: Q rows into shared memory, the warp's Q K^T A fragments from there
 // Fragments (a warp's 16 query rows; lane (g, t) = (lane / 4, lane % 4)): scores s[j][e] and
 // output o[j][e] of the n8 column block j: row g + 8 (e >> 1), column 8 j + 2 t + (e & 1), the
 // accumulator layout of mma.m16n8k16 and, per warp of a warpgroup, of wgmma.m64nNk16.
@@ -102,6 +102,30 @@ inline void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 inline u32 pack_f16x2(float lo, float hi) { return (u32)emu_f32_to_f16(lo) | ((u32)emu_f32_to_f16(hi) << 16); }
 #endif
 
+
+// Rows 0 .. BQ-1 of Q (rows past nq zero) into shared rows of HD f16, the 16-byte chunk c of row r
+// at c ^ (r & 7) (conflict-free ldmatrix), by NTH threads' cp.async.
+template <int HD, int BQ, int NTH>
+__device__ __forceinline__ void at_stage_q(saddr sQ, const u16* __restrict__ Qh, int nq, int tid) {
+    constexpr int CH = HD / 8;
+    for (int p = tid; p < BQ * CH; p += NTH) {
+        const int row = p / CH, ch = p % CH;
+        const bool ok = row < nq;
+        cp_async16(sQ + row * (HD * 2) + ((ch ^ (row & 7)) << 4), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
+                   ok ? 16 : 0);
+    }
+}
+
+// The warp's A fragments of Q K^T (its 16 rows from row 16 warp of the staged Q, HD / 16 k-steps).
+template <int HD>
+__device__ __forceinline__ void at_q_frags(u32 (&qa)[HD / 16][4], saddr sQ, int warp, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const int row = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int ch = 2 * kk + (lane >> 4);
+        ldmatrix_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + row * (HD * 2) + ((ch ^ (row & 7)) << 4));
+    }
+}
 
 // Keys k0 + 8 j + 2 t + (e & 1) after the position of row g + 8 (e >> 1) (prow: position of row g).
 template <int NS>

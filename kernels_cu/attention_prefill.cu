@@ -79,12 +79,7 @@ __device__ __forceinline__ void attn_prefill_body(
     const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
     const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
 
-    for (int p = tid; p < AT_BQ * CH; p += AT_NTH) {
-        const int row = p / CH, ch = p % CH;
-        const bool ok = row < nq;
-        cp_async16(sQ + row * ROWB + ((ch ^ (row & 7)) << 4),
-                   Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
-    }
+    at_stage_q<HD, AT_BQ, AT_NTH>(sQ, Qh, nq, tid);
     auto load_kv = [&](int kt, int buf) {
         for (int p = tid; p < AT_BK * CH; p += AT_NTH) {
             const int row = p / CH, ch = p % CH;
@@ -110,15 +105,7 @@ __device__ __forceinline__ void attn_prefill_body(
     for (int kt = 0; kt < nkt; ++kt) {
         cp_async_wait<0>();
         __syncthreads();                              // tile kt landed; tile kt-1 consumed
-        if (kt == 0 && !idle) {
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const int row = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-                const int ch = 2 * kk + (lane >> 4);
-                ldmatrix_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
-                            sQ + row * ROWB + ((ch ^ (row & 7)) << 4));
-            }
-        }
+        if (kt == 0 && !idle) at_q_frags<HD>(qa, sQ, warp, lane);
         if (kt + 1 < nkt) load_kv(kt + 1, (kt + 1) & 1);
         cp_async_commit();
         const int k0 = kt * AT_BK;

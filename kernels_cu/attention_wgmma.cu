@@ -93,11 +93,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
     const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
 
-    for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {
-        const int row = p / CH, ch = p % CH;
-        const bool ok = row < nq;
-        cp_async16(sQ + row * ROWB + ((ch ^ (row & 7)) << 4), Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
-    }
+    at_stage_q<HD, AW_BQ, AW_NTH>(sQ, Qh, nq, tid);
     // Copy p of a tile: chunk p % CH of key p / CH (a warp reads whole key rows); its 8-chunk
     // piece of a 128-byte atom row lands permuted within that row (conflict-free).
     auto load_kv = [&](int kt) {
@@ -118,12 +114,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     cp_async_wait<0>();
     __syncthreads();
     u32 qa[KS][4];
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        const int row = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int ch = 2 * kk + (lane >> 4);
-        ldmatrix_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + row * ROWB + ((ch ^ (row & 7)) << 4));
-    }
+    at_q_frags<HD>(qa, sQ, warp, lane);
     __syncthreads();                                  // Q's staging buffers are free
 #pragma unroll
     for (int j = 1; j < AW_STAGES - 1; ++j) {
