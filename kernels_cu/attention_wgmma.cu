@@ -30,12 +30,14 @@
 // wait. wg_keep after each wait pins the accumulators (and P) to it, so the compiler moves no
 // use of them above it. Warps whose rows are past the tile's queries still take part (a wgmma is
 // warpgroup-wide) and store nothing.
-// Known defect: at HD = 64 ptxas reuses the Q fragments' registers after the first S wgmma
-// (SASS: P is packed into them), so key tiles after the first are wrong; production runs HD = 64
-// on attention_prefill.cu (engine.gpu.ops.attention.ATT_WGMMA_HEAD_DIMS). Next: Q as a
-// shared-memory (descriptor) operand.
+// Known defect of the register-Q form: at HD = 64 ptxas reuses the Q fragments' registers after
+// the first S wgmma (SASS: P is packed into them), so key tiles after the first are wrong;
+// production runs HD = 64 on attention_prefill.cu (engine.gpu.ops.attention.ATT_WGMMA_HEAD_DIMS).
+// QS (the attn_wgmma_qs_* entries, not yet measured on the GPU): Q stays in shared memory as two
+// swizzled 64-row tiles (one per warpgroup, after the stages) and S reads it through an A
+// descriptor (wgmma_ss_n): no Q registers to reuse, 30 fewer registers in all.
 // Grid (ceil(n / 128), H), q tiles in reverse order (longest first); 256 threads; dynamic smem
-// AW_STAGES * 2 * 64 * HD * 2 bytes (96 KB at HD = 128).
+// AW_STAGES * 2 * 64 * HD * 2 bytes (96 KB at HD = 128), QS: + 128 * HD * 2.
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -49,7 +51,7 @@
 #define AW_BQ 128                         // queries per block: two warpgroups of 64
 #define AW_NTH 256
 
-template <int HD, bool Q8>
+template <int HD, bool Q8, bool QS>
 __device__ __forceinline__ void attn_wgmma_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
@@ -63,7 +65,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr u32 ATOM = AT_BK * 128;     // bytes of one 64-column atom column of a tile
     static_assert(AT_BK == 64, "64-key tiles");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
-    static_assert(AW_STAGES >= 2 && AW_BQ * ROWB <= STAGE * (AW_STAGES - 1), "Q staged in stages 1..");
+    static_assert(AW_STAGES >= 2 && (QS || AW_BQ * ROWB <= STAGE * (AW_STAGES - 1)), "Q staged in stages 1..");
 
 #ifndef GGP_EMU
     extern __shared__ __align__(1024) u8 smem[];
@@ -73,9 +75,10 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    if (dyn_smem_bytes() < (u32)(AW_STAGES * STAGE) || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
+    constexpr u32 QOFF = AW_STAGES * STAGE;   // QS: the swizzled Q tiles (TILE per warpgroup)
+    if (dyn_smem_bytes() < QOFF + (QS ? AW_BQ * ROWB : 0) || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
-    const saddr sQ = s0 + STAGE;          // stages 1.., until tile 1 is loaded
+    const saddr sQ = s0 + STAGE;          // !QS: stages 1.., until tile 1 is loaded
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int g = lane >> 2, tig = lane & 3;
@@ -93,7 +96,18 @@ __device__ __forceinline__ void attn_wgmma_body(
     const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
     const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
 
-    at_stage_q<HD, AW_BQ, AW_NTH>(sQ, Qh, nq, tid);
+    // Byte of the 16-byte chunk ch of row r (< 64) in a swizzled 64-row tile.
+    auto sw = [](int r, int ch) -> u32 { return (ch >> 3) * ATOM + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
+    if constexpr (QS) {                   // warpgroup w's 64 rows: the swizzled tile at QOFF + w TILE
+        for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {
+            const int row = p / CH, ch = p % CH;
+            const bool ok = row < nq;
+            cp_async16(s0 + QOFF + (row >> 6) * TILE + sw(row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
+                       ok ? 16 : 0);
+        }
+    } else {
+        at_stage_q<HD, AW_BQ, AW_NTH>(sQ, Qh, nq, tid);
+    }
     // Copy p of a tile: chunk p % CH of key p / CH (a warp reads whole key rows); its 8-chunk
     // piece of a 128-byte atom row lands permuted within that row (conflict-free).
     auto load_kv = [&](int kt) {
@@ -104,7 +118,7 @@ __device__ __forceinline__ void attn_wgmma_body(
             const int key = kt * AT_BK + kin;
             const bool ok = key < L;
             const size_t off = (size_t)(ok ? key : 0) * HD + ch * 8;
-            const u32 dst = buf + (ch >> 3) * ATOM + kin * 128 + (((ch & 7) ^ (kin & 7)) << 4);
+            const u32 dst = buf + sw(kin, ch);
             cp_async16(s0 + dst, Kh + off, ok ? 16 : 0);
             cp_async16(s0 + dst + TILE, Vh + off, ok ? 16 : 0);
         }
@@ -113,9 +127,11 @@ __device__ __forceinline__ void attn_wgmma_body(
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    u32 qa[KS][4];
-    at_q_frags<HD>(qa, sQ, warp, lane);
-    __syncthreads();                                  // Q's staging buffers are free
+    u32 qa[KS][4];                                    // !QS: Q's register fragments
+    if constexpr (!QS) {
+        at_q_frags<HD>(qa, sQ, warp, lane);
+        __syncthreads();                              // Q's staging buffers are free
+    }
 #pragma unroll
     for (int j = 1; j < AW_STAGES - 1; ++j) {
         if (j < nkt) load_kv(j);
@@ -147,9 +163,17 @@ __device__ __forceinline__ void attn_wgmma_body(
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
-            const u64 d = wg_desc_sw128(kdesc + (kk >> 2) * ATOM + (kk & 3) * 32, 16, 1024);
-            if (kk == 0) wgmma_n<64, 0, 0>(reinterpret_cast<float(&)[32]>(s), qa[kk], d);
-            else wgmma_n<64, 0, 1>(reinterpret_cast<float(&)[32]>(s), qa[kk], d);
+            const u32 kstep = (kk >> 2) * ATOM + (kk & 3) * 32;   // k16 step kk of a swizzled tile
+            const u64 d = wg_desc_sw128(kdesc + kstep, 16, 1024);
+            float (&sf)[32] = reinterpret_cast<float(&)[32]>(s);
+            if constexpr (QS) {
+                const u64 a = wg_desc_sw128(sbase + QOFF + wg * TILE + kstep, 16, 1024);
+                if (kk == 0) wgmma_ss_n<64, 0>(sf, a, d);
+                else wgmma_ss_n<64, 1>(sf, a, d);
+            } else {
+                if (kk == 0) wgmma_n<64, 0, 0>(sf, qa[kk], d);
+                else wgmma_n<64, 0, 1>(sf, qa[kk], d);
+            }
         }
         wg_commit();
         wg_wait<0>();
@@ -173,19 +197,22 @@ __device__ __forceinline__ void attn_wgmma_body(
     at_store<HD, Q8>(o, lrow, warp * 16, g, tig, row0, nq, h, H, O, Oq, Ods);
 }
 
-#define AW_INSTANCE(HDV, SUF, Q8V)                                                              \
+#define AW_INSTANCE(NAME, HDV, Q8V, QSV)                                                        \
     extern "C" __global__ void __launch_bounds__(AW_NTH, 1)                                     \
-    attn_wgmma_h##HDV##_##SUF(const u16* __restrict__ Q, const u16* __restrict__ Kc,            \
-                              const u16* __restrict__ Vc, float* __restrict__ O,                \
-                              i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,      \
-                              int KVH, const int* __restrict__ startp, int start0, int maxT) {   \
+    NAME(const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,     \
+         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
+         int KVH, const int* __restrict__ startp, int start0, int maxT) {                       \
         pdl_entry();                                                                            \
         const int q0 = (gridDim.x - 1 - blockIdx.x) * AW_BQ;                                    \
-        attn_wgmma_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),    \
-                                  start0 + (startp ? *startp : 0) + q0, 0, maxT);              \
+        attn_wgmma_body<HDV, Q8V, QSV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), \
+                                       start0 + (startp ? *startp : 0) + q0, 0, maxT);         \
     }
 
-AW_INSTANCE(64, f32, false)
-AW_INSTANCE(64, q8, true)
-AW_INSTANCE(128, f32, false)
-AW_INSTANCE(128, q8, true)
+AW_INSTANCE(attn_wgmma_h64_f32, 64, false, false)
+AW_INSTANCE(attn_wgmma_h64_q8, 64, true, false)
+AW_INSTANCE(attn_wgmma_h128_f32, 128, false, false)
+AW_INSTANCE(attn_wgmma_h128_q8, 128, true, false)
+AW_INSTANCE(attn_wgmma_qs_h64_f32, 64, false, true)
+AW_INSTANCE(attn_wgmma_qs_h64_q8, 64, true, true)
+AW_INSTANCE(attn_wgmma_qs_h128_f32, 128, false, true)
+AW_INSTANCE(attn_wgmma_qs_h128_q8, 128, true, true)

@@ -6,6 +6,7 @@
 // mma.m16n8k16 A layout: lane (g, t) holds rows g, g+8 and k 2t, 2t+1, 2t+8, 2t+9), B from shared
 // memory through a descriptor; BN / 2 accumulators per thread, d[4 i + e] = (row g + 8 (e >> 1),
 // column 8 i + 2 t + (e & 1)). ACC = 0: D = A . B (scale-d 0), else D += A . B.
+// wgmma_ss_n<64, ACC>(d, adesc, bdesc): the same with A from shared memory too (K-major).
 // B layouts, no swizzle, built from core matrices of 8 rows x 16 contiguous bytes (128 bytes):
 //   TB = 0 (K-major): a core matrix is 8 columns n x 8 k, byte (n % 8) * 16 + (k % 8) * 2;
 //   TB = 1 (MN-major, "transposed"): 8 k x 8 columns n, byte (k % 8) * 16 + (n % 8) * 2.
@@ -85,6 +86,17 @@ __device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u
                      : WG_A4);
     }
 }
+// D[64 x 64] (+)= A[64 x 16] . B[16 x 64], A too from shared memory (K-major, descriptor adesc).
+template <int BN, int ACC = 1>
+__device__ __forceinline__ void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bdesc) {
+    static_assert(BN == 64, "BN: 64");
+    asm volatile(WG_PRED(34) WG_MMA(64)
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7)
+                 : "l"(adesc), "l"(bdesc), "n"(ACC));
+}
 #undef WG_D4
 #undef WG_A4
 #undef WG_MMA
@@ -104,36 +116,57 @@ template <int N> inline void wg_wait() {}
 template <int N> inline void wg_keep(float (&)[N]) {}
 template <int N> inline void wg_keep(u32 (&)[N]) {}
 inline void fence_proxy_async() {}
-template <int BN, int TB = 0, int ACC = 1>
-inline void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
-    if ((blockDim.x != 128 && blockDim.x != 256) || blockDim.y != 1 || !wg_emu_smem) std::abort();
-    const int tid = threadIdx.x, wg0 = tid & ~127, w = (tid & 127) >> 5, g = (tid & 31) >> 2, t = tid & 3;
-    for (int i = 0; i < 4; ++i) wg_emu_a[tid][i] = a[i];
-    __syncthreads();
+// Element (row n of the M/N side, k) of a shared-memory operand read through descriptor desc
+// (TB: MN-major, else K-major); the layouts of the top comment.
+inline float wg_emu_elem(u64 desc, bool mn_major, int n, int k) {
     const u32 start = (u32)(desc & 0x3FFF) << 4, lbo = (u32)((desc >> 16) & 0x3FFF) << 4,
               sbo = (u32)((desc >> 32) & 0x3FFF) << 4;
     const int mode = (int)(desc >> 62);
     if (mode != 0 && mode != 1) std::abort();     // no swizzle or 128-byte swizzle only
-    const bool sw128 = mode == 1;
+    u32 at;
+    if (mode == 0) {
+        at = start + (k >> 3) * lbo + (n >> 3) * sbo + (mn_major ? (k & 7) * 16 + (n & 7) * 2 : (n & 7) * 16 + (k & 7) * 2);
+    } else {
+        at = mn_major ? start + (n >> 6) * lbo + (k >> 3) * sbo + (k & 7) * 128 + (n & 63) * 2
+                      : start + (n >> 3) * sbo + (n & 7) * 128 + k * 2;
+        at ^= ((at >> 7) & 7) << 4;
+    }
+    return f16_to_f32(*(const u16*)(wg_emu_smem + at));
+}
+// A[r][k] of the warpgroup's register fragments (wg_emu_a): warp r / 16, lane 4 (r % 8) + (k % 8) / 2,
+// register (r % 16 >= 8) + 2 (k >= 8), half k % 2.
+inline float wg_emu_areg(int wg0, int r, int k) {
+    const u32 aw = wg_emu_a[wg0 + 32 * (r >> 4) + 4 * (r & 7) + ((k & 7) >> 1)][((r >> 3) & 1) + 2 * (k >> 3)];
+    return f16_to_f32((u16)((k & 1) ? aw >> 16 : aw & 0xFFFF));
+}
+// D (+)= A . B for the calling thread's accumulators; adesc == 0: A from wg_emu_a.
+template <int BN, int TB, int ACC>
+inline void wg_emu_mma(float (&d)[BN / 2], u64 adesc, u64 bdesc) {
+    const int tid = threadIdx.x, wg0 = tid & ~127, w = (tid & 127) >> 5, g = (tid & 31) >> 2, t = tid & 3;
     for (int i = 0; i < BN / 2; ++i) {
         const int r = 16 * w + g + 8 * ((i & 3) >> 1), c = 8 * (i >> 2) + 2 * t + (i & 1);
         float acc = ACC ? d[i] : 0.0f;
-        for (int k = 0; k < 16; ++k) {
-            // A[r][k]: warp r / 16, lane 4 (r % 8) + (k % 8) / 2, register (r % 16 >= 8) + 2 (k >= 8)
-            const u32 aw = wg_emu_a[wg0 + 32 * (r >> 4) + 4 * (r & 7) + ((k & 7) >> 1)][((r >> 3) & 1) + 2 * (k >> 3)];
-            u32 at;
-            if (!sw128) {
-                at = start + (k >> 3) * lbo + (c >> 3) * sbo + (TB ? (k & 7) * 16 + (c & 7) * 2 : (c & 7) * 16 + (k & 7) * 2);
-            } else {
-                at = TB ? start + (c >> 6) * lbo + (k >> 3) * sbo + (k & 7) * 128 + (c & 63) * 2
-                        : start + (c >> 3) * sbo + (c & 7) * 128 + k * 2;
-                at ^= ((at >> 7) & 7) << 4;
-            }
-            const u16 b = *(const u16*)(wg_emu_smem + at);
-            acc += f16_to_f32((u16)((k & 1) ? aw >> 16 : aw & 0xFFFF)) * f16_to_f32(b);
-        }
+        for (int k = 0; k < 16; ++k)
+            acc += (adesc ? wg_emu_elem(adesc, false, r, k) : wg_emu_areg(wg0, r, k)) * wg_emu_elem(bdesc, TB, c, k);
         d[i] = acc;
     }
+}
+inline void wg_emu_check() {
+    if ((blockDim.x != 128 && blockDim.x != 256) || blockDim.y != 1 || !wg_emu_smem) std::abort();
+}
+template <int BN, int TB = 0, int ACC = 1>
+inline void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
+    wg_emu_check();
+    for (int i = 0; i < 4; ++i) wg_emu_a[threadIdx.x][i] = a[i];
+    __syncthreads();
+    wg_emu_mma<BN, TB, ACC>(d, 0, desc);
+    __syncthreads();
+}
+template <int BN, int ACC = 1>
+inline void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bdesc) {
+    wg_emu_check();
+    __syncthreads();
+    wg_emu_mma<BN, 0, ACC>(d, adesc, bdesc);
     __syncthreads();
 }
 #endif

@@ -280,13 +280,13 @@ def _attention_inputs(rng, H, KVH, hd, n, start, maxT, big=False):
 
 def _variant_runs(cp, variant):
     """Skip a prefill attention variant this GPU cannot run (wgmma: sm_90; the emulator runs both)."""
-    if variant == "wgmma" and not getattr(cp, "__emulated__", False) \
+    if variant.startswith("wgmma") and not getattr(cp, "__emulated__", False) \
             and cp.cuda.Device().compute_capability != "90":
         pytest.skip("attention_wgmma.cu needs an sm_90 GPU")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fa2", "wgmma"])
+@pytest.mark.parametrize("variant", ["fa2", "wgmma", "wgmma_qs"])
 @pytest.mark.parametrize("hd,H,KVH,n,start,big", [
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True), (128, 7, 1, 200, 70, False)])

@@ -308,9 +308,10 @@ def attn_prefill_name(head_dim: int, q8: bool) -> str:
     return f"attn_prefill_h{head_dim}_{'q8' if q8 else 'f32'}"
 
 
-def attn_wgmma_name(head_dim: int, q8: bool) -> str:
-    """attention_wgmma.cu's one-sequence entry (Hopper; the arguments of attn_prefill_name's)."""
-    return f"attn_wgmma_h{head_dim}_{'q8' if q8 else 'f32'}"
+def attn_wgmma_name(head_dim: int, q8: bool, q_smem: bool = False) -> str:
+    """attention_wgmma.cu's one-sequence entry (Hopper; the arguments of attn_prefill_name's);
+    q_smem: the form reading Q from shared memory through a descriptor."""
+    return f"attn_wgmma_{'qs_' if q_smem else ''}h{head_dim}_{'q8' if q8 else 'f32'}"
 
 
 def attn_prefill_varlen_name(head_dim: int, q8: bool) -> str:
@@ -327,7 +328,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "rope.cu": ("qkv_rope",),
     "attention_prefill.cu": tuple(attn_prefill_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True))
     + tuple(attn_prefill_varlen_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
-    "attention_wgmma.cu": tuple(attn_wgmma_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
+    "attention_wgmma.cu": tuple(attn_wgmma_name(h, q8, qs) for qs in (False, True) for h in ATT_PREFILL_HEAD_DIMS
+                                for q8 in (False, True)),
     "swiglu.cu": ("swiglu_q8_1", "swiglu_x16"),
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),

@@ -30,8 +30,9 @@ ATT_BQ = 64                 # queries per attention block (attention_prefill.cu 
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
-# any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
-PREFILL_VARIANTS = ("fa2", "wgmma")
+# any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90; Q from registers),
+# "wgmma_qs" = the same with Q read from shared memory (not yet measured); prefill_variant chooses
+PREFILL_VARIANTS = ("fa2", "wgmma", "wgmma_qs")
 # decode
 ATT_TK = 64                 # keys per attention tile (attention_decode.cu)
 
@@ -49,8 +50,10 @@ ATT_WGMMA_STAGES = 3        # K/V tiles in flight (AW_STAGES)
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows,
-    wgmma ATT_WGMMA_STAGES x (K, V) (Q staged through the stages)."""
-    return (2 * ATT_WGMMA_STAGES if variant == "wgmma" else 5) * 64 * head_dim * 2
+    wgmma ATT_WGMMA_STAGES x (K, V) (Q staged through the stages), wgmma_qs those and Q's 128
+    rows."""
+    tiles = {"fa2": 5, "wgmma": 2 * ATT_WGMMA_STAGES, "wgmma_qs": 2 * ATT_WGMMA_STAGES + 2}[variant]
+    return tiles * 64 * head_dim * 2
 
 
 # Head sizes attention_wgmma.cu serves in production. Head size 64 is wrong on the GPU from the
@@ -115,8 +118,9 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     if n == 0:
         return
     smem = attention_smem_bytes(hd, variant)
-    if variant == "wgmma":
-        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out_act is not None),
+    if variant.startswith("wgmma"):
+        k = kernels.get_kernel("attention_wgmma.cu",
+                               registry.attn_wgmma_name(hd, out_act is not None, variant == "wgmma_qs"),
                                dynamic_smem=smem)
         bq, nth = ATT_WGMMA_BQ, ATT_WGMMA_THREADS
     else:
