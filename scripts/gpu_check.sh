@@ -8,7 +8,7 @@
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -216,6 +216,15 @@ PY
     i=$((i + 1))
   done
   return $rc
+}
+
+# Prefill attention kernels side by side (issue 14): dev/attn_bench on the 7B head layouts at long
+# context (ATTN_VARIANTS, default every variant; ATTN_CASES, ATTN_HEADS), TFLOP/s and the largest
+# difference from the first variant's output.
+step_attn() {
+  python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" ${ATTN_VARIANTS:+--variants $ATTN_VARIANTS} \
+      ${ATTN_CASES:+--cases $ATTN_CASES} ${ATTN_HEADS:+--heads $ATTN_HEADS} --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.log"
+  return "${PIPESTATUS[0]}"
 }
 
 # The Hopper route in the whole model (issue 14): `bench` on synthetic models (HOPPER_PP_SHAPES,

@@ -49,6 +49,13 @@ def main(out: str) -> int:
         from dev.gemm_bench import table
         print("\n# production variants across token counts")
         print(table(json.load(open(sw))))
+    aj = os.path.join(out, "attn.json")
+    if os.path.exists(aj):
+        rows = json.load(open(aj))
+        print("\n# prefill attention (median ms, causal TFLOP/s; err: max |diff| / max|V| against the first variant)")
+        for r in rows:
+            print(f"H={r['H']}/{r['KVH']} hd={r['hd']} {r['n']}@{r['start']} {r['variant']:9s} {r['ms']:8.3f} ms "
+                  f"{r['tflops']:6.1f} TFLOP/s err {r['err']:.1e}")
     return 0
 
 
