@@ -11,10 +11,11 @@
 //                l = l corr + sum p; o *= corr (a row with every score -inf so far uses 0 as
 //                its max: 2^-inf = 0, never NaN)
 //   at_pack_p:   p of 16 keys as the f16 A fragment of the P . V step
-//   at_store:    o / l as float32 rows or as q8_1 blocks (d = amax/127, q = roundf(o/d),
-//                s = d * sum(q); see rmsnorm.cu for why not sum(o))
+//   at_store:    o / l as float32 rows, as q8_1 blocks (d = amax/127, q = roundf(o/d),
+//                s = d * sum(q); see rmsnorm.cu for why not sum(o)) or as the wgmma GEMMs' f16 operand
 #pragma once
 #include "common.cuh"
+#include "x16_tiles.cuh"
 
 #define AT_BQ 64
 #define AT_BK 64
@@ -178,11 +179,18 @@ __device__ __forceinline__ void at_pack_p(u32 (&pa)[4], const float (&s)[NS][4],
     pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// Output forms of the attention kernels (the OUT template argument).
+enum { AT_F32 = 0, AT_Q8 = 1, AT_X16 = 2 };
+
 // Rows lr0 + g, lr0 + g + 8 of the tile (batch rows row0 + lr, written where lr < nq) of head h:
-// o / l, float32 into O [*, H*HD] or q8_1 blocks into Oq / Ods. Every lane of the warp calls it.
-template <int HD, bool Q8>
+// o / l as OUT says: AT_F32 float32 into O [T, H*HD]; AT_Q8 q8_1 blocks into Oq / Ods; AT_X16
+// f16 into the wgmma GEMMs' tiled operand (x16_tiles.cuh; O holds its address, T its rows), the
+// bits wgmma_tile_x16 makes of the AT_F32 output (the same f32 product, rounded once): lanes t
+// and t ^ 1 swap their two columns so that one of them holds 4 consecutive and stores them.
+// Every lane of the warp calls it.
+template <int HD, int OUT>
 __device__ __forceinline__ void at_store(const float (&o)[HD / 8][4], const float (&lrow)[2], int lr0, int g, int tig,
-                                         int row0, int nq, int h, int H, float* __restrict__ O,
+                                         int row0, int nq, int h, int H, int T, float* __restrict__ O,
                                          i8* __restrict__ Oq, float2* __restrict__ Ods) {
     constexpr int NO = HD / 8;
     const int QD = H * HD;
@@ -195,12 +203,23 @@ __device__ __forceinline__ void at_store(const float (&o)[HD / 8][4], const floa
         const int lr = lr0 + g + 8 * r;               // row in the tile
         const int t = row0 + lr;
         const bool ok = lr < nq;
-        if (!Q8) {
+        if (OUT == AT_F32) {
             if (ok) {
 #pragma unroll
                 for (int j = 0; j < NO; ++j)
                     *reinterpret_cast<float2*>(O + (size_t)t * QD + h * HD + j * 8 + 2 * tig) =
                         make_float2(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+            }
+        } else if (OUT == AT_X16) {
+#pragma unroll
+            for (int j = 0; j < NO; ++j) {
+                const float v0 = o[j][2 * r] * inv, v1 = o[j][2 * r + 1] * inv;
+                const float u0 = __shfl_xor_sync(0xffffffffu, v0, 1), u1 = __shfl_xor_sync(0xffffffffu, v1, 1);
+                if (ok && (tig & 1) == (j & 1)) {     // columns 8 j + 4 (tig / 2) .. + 3
+                    const bool lo = (tig & 1) == 0;
+                    wg_store_quad(reinterpret_cast<u16*>(O), t, h * HD + 8 * j + 4 * (tig >> 1), (T + 7) / 8,
+                                  lo ? v0 : u0, lo ? v1 : u1, lo ? u0 : v0, lo ? u1 : v1);
+                }
             }
         } else {
 #pragma unroll

@@ -10,11 +10,13 @@
 //      Query head h reads KV head h / (H / KVH).
 // Out: o[t, h*HD + i] = sum_j p_j V[j, i] / sum_j p_j,  p_j = 2^(s_j - max_j s_j),
 //      s_j = Q[h, t] . K[j]  over keys j <= start + t   (engine.reference.causal_attention)
-//      Q8 = false: O float32 [n, H*HD];
-//      Q8 = true:  the q8_1 blocks of each 32-column block of o (the attn_output GEMM's A
-//                  operand): Oq int8 [n, H*HD], Ods float2 [n, H*HD/32] = (d, s),
+//      OUT = AT_F32 (_f32 entries): O float32 [n, H*HD];
+//      OUT = AT_Q8 (_q8):  the q8_1 blocks of each 32-column block of o (the attn_output GEMM's
+//                  A operand): Oq int8 [n, H*HD], Ods float2 [n, H*HD/32] = (d, s),
 //                  d = amax/127, q = roundf(o/d), s = d * sum(q) (the dequantized sum;
-//                  see rmsnorm.cu for why not sum(o)).
+//                  see rmsnorm.cu for why not sum(o));
+//      OUT = AT_X16 (_x16): the Hopper GEMM's tiled f16 operand [H*HD/64, ceil(n/8), 8, 8, 8]
+//                  (x16_tiles.cuh) at O's address, the bits wgmma_tile_x16 makes of the f32 o.
 // Tiling: block = 4 warps = 64 queries (16 per warp) of one head; keys in tiles of 64,
 //   K/V tiles double-buffered by cp.async (keys past the block's last query zero-filled, so
 //   p = 0 never meets garbage in V); smem rows of HD f16 with 16-byte chunk c of row r at
@@ -43,7 +45,7 @@
 // Grid (tiles, H); 128 threads; dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
 #include "attention_common.cuh"
 
-template <int HD, bool Q8>
+template <int HD, int OUT>
 __device__ __forceinline__ void attn_prefill_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
@@ -146,10 +148,10 @@ __device__ __forceinline__ void attn_prefill_body(
     }
 
     if (idle) return;                                 // warp-uniform; no block barrier below
-    at_store<HD, Q8>(o, lrow, warp * 16, g, tig, row0, nq, h, H, O, Oq, Ods);
+    at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
 }
 
-#define AT_INSTANCE(HDV, SUF, Q8V)                                                              \
+#define AT_INSTANCE(HDV, SUF, OUTV)                                                              \
     extern "C" __global__ void __launch_bounds__(AT_NTH)                                        \
     attn_prefill_h##HDV##_##SUF(const u16* __restrict__ Q, const u16* __restrict__ Kc,          \
                                 const u16* __restrict__ Vc, float* __restrict__ O,              \
@@ -157,7 +159,7 @@ __device__ __forceinline__ void attn_prefill_body(
                                 int KVH, const int* __restrict__ startp, int start0, int maxT) { \
         pdl_entry();                                                                            \
         const int q0 = (gridDim.x - 1 - blockIdx.x) * AT_BQ;                                    \
-        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AT_BQ, n - q0),  \
+        attn_prefill_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AT_BQ, n - q0),  \
                                     start0 + (startp ? *startp : 0) + q0, 0, maxT);            \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(AT_NTH)                                        \
@@ -170,11 +172,13 @@ __device__ __forceinline__ void attn_prefill_body(
         const int4 tl = tiles[blockIdx.x];                                                      \
         if (tl.y <= 0) return;                                                                  \
         if (tl.y > AT_BQ) __trap();                                                             \
-        attn_prefill_body<HDV, Q8V>(Q, Kc, Vc, O, Oq, Ods, T, H, KVH, tl.x, tl.y, tl.z, tl.w,   \
+        attn_prefill_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, T, H, KVH, tl.x, tl.y, tl.z, tl.w,   \
                                     maxT);                                                      \
     }
 
-AT_INSTANCE(64, f32, false)
-AT_INSTANCE(64, q8, true)
-AT_INSTANCE(128, f32, false)
-AT_INSTANCE(128, q8, true)
+AT_INSTANCE(64, f32, AT_F32)
+AT_INSTANCE(64, q8, AT_Q8)
+AT_INSTANCE(64, x16, AT_X16)
+AT_INSTANCE(128, f32, AT_F32)
+AT_INSTANCE(128, q8, AT_Q8)
+AT_INSTANCE(128, x16, AT_X16)

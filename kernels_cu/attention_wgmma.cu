@@ -11,7 +11,7 @@
 // warpgroup (mma.sync: once per warp), and the MMAs run asynchronously to the issuing warps.
 //
 // In / out: as attention_prefill.cu's one-sequence entry (Q f16 [H, n, HD] pre-scaled by
-// log2(e)/sqrt(HD); Kc, Vc f16 [KVH, maxT, HD]; f32 or q8_1 output rows; query head h reads KV
+// log2(e)/sqrt(HD); Kc, Vc f16 [KVH, maxT, HD]; f32, q8_1 or tiled f16 output; query head h reads KV
 // head h / (H / KVH); start = start0 + (*startp if given)).
 // Shared memory: AW_STAGES stages x (K tile, V tile), each 64 keys x HD f16 in the 128-byte
 // swizzled layout that both descriptors read (wgmma_ops.cuh): atom column a (d = 64 a .. 64 a + 63)
@@ -51,7 +51,7 @@
 #define AW_BQ 128                         // queries per block: two warpgroups of 64
 #define AW_NTH 256
 
-template <int HD, bool Q8, bool QS>
+template <int HD, int OUT, bool QS>
 __device__ __forceinline__ void attn_wgmma_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
@@ -194,25 +194,29 @@ __device__ __forceinline__ void attn_wgmma_body(
     }
 
     if (idle) return;                                 // warp-uniform; no block barrier below
-    at_store<HD, Q8>(o, lrow, warp * 16, g, tig, row0, nq, h, H, O, Oq, Ods);
+    at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
 }
 
-#define AW_INSTANCE(NAME, HDV, Q8V, QSV)                                                        \
+#define AW_INSTANCE(NAME, HDV, OUTV, QSV)                                                        \
     extern "C" __global__ void __launch_bounds__(AW_NTH, 1)                                     \
     NAME(const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,     \
          float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
          int KVH, const int* __restrict__ startp, int start0, int maxT) {                       \
         pdl_entry();                                                                            \
         const int q0 = (gridDim.x - 1 - blockIdx.x) * AW_BQ;                                    \
-        attn_wgmma_body<HDV, Q8V, QSV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), \
+        attn_wgmma_body<HDV, OUTV, QSV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), \
                                        start0 + (startp ? *startp : 0) + q0, 0, maxT);         \
     }
 
-AW_INSTANCE(attn_wgmma_h64_f32, 64, false, false)
-AW_INSTANCE(attn_wgmma_h64_q8, 64, true, false)
-AW_INSTANCE(attn_wgmma_h128_f32, 128, false, false)
-AW_INSTANCE(attn_wgmma_h128_q8, 128, true, false)
-AW_INSTANCE(attn_wgmma_qs_h64_f32, 64, false, true)
-AW_INSTANCE(attn_wgmma_qs_h64_q8, 64, true, true)
-AW_INSTANCE(attn_wgmma_qs_h128_f32, 128, false, true)
-AW_INSTANCE(attn_wgmma_qs_h128_q8, 128, true, true)
+AW_INSTANCE(attn_wgmma_h64_f32, 64, AT_F32, false)
+AW_INSTANCE(attn_wgmma_h64_q8, 64, AT_Q8, false)
+AW_INSTANCE(attn_wgmma_h64_x16, 64, AT_X16, false)
+AW_INSTANCE(attn_wgmma_h128_f32, 128, AT_F32, false)
+AW_INSTANCE(attn_wgmma_h128_q8, 128, AT_Q8, false)
+AW_INSTANCE(attn_wgmma_h128_x16, 128, AT_X16, false)
+AW_INSTANCE(attn_wgmma_qs_h64_f32, 64, AT_F32, true)
+AW_INSTANCE(attn_wgmma_qs_h64_q8, 64, AT_Q8, true)
+AW_INSTANCE(attn_wgmma_qs_h64_x16, 64, AT_X16, true)
+AW_INSTANCE(attn_wgmma_qs_h128_f32, 128, AT_F32, true)
+AW_INSTANCE(attn_wgmma_qs_h128_q8, 128, AT_Q8, true)
+AW_INSTANCE(attn_wgmma_qs_h128_x16, 128, AT_X16, true)

@@ -104,16 +104,23 @@ def emu_qkv_rope(q, k, v, lds, bq, bk, bv, cos, sin, qout, kc, vc, start, neox, 
     vc[:, cache_rows] = vh
 
 
-def emu_attention_prefill(qh, kc, vc, start, out_act=None, out_f32=None, start_dev=None):
-    start += 0 if start_dev is None else int(start_dev[0])
-    o = numerics.attention_f16(qh, kc, vc, start)
+def _store_attention(o, out_act, out_f32, out_x16):
+    from engine.reference.wgmma import tile_x16
+
     if out_f32 is not None:
         out_f32[...] = o
+    elif out_x16 is not None:
+        out_x16[...] = tile_x16(o)
     else:
         _store_q8(quants.quantize_q8_1(o), out_act)
 
 
-def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode=None):
+def emu_attention_prefill(qh, kc, vc, start, out_act=None, out_f32=None, start_dev=None, variant=None, out_x16=None):
+    start += 0 if start_dev is None else int(start_dev[0])
+    _store_attention(numerics.attention_f16(qh, kc, vc, start), out_act, out_f32, out_x16)
+
+
+def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode=None, out_x16=None):
     T, QD = qh.shape[1], qh.shape[0] * qh.shape[2]
     o = np.zeros((T, QD), dtype=np.float32)
     for row0, nq, pos0, kvb in np.asarray(tiles_dev):
@@ -122,10 +129,7 @@ def emu_attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, deco
     for row, keys, kvb, _ in (np.asarray(decode.rows) if decode is not None else ()):
         if keys > 0:
             o[row:row + 1] = numerics.attention_f16(qh[:, row:row + 1], kc[:, kvb:], vc[:, kvb:], keys - 1)
-    if out_f32 is not None:
-        out_f32[...] = o
-    else:
-        _store_q8(quants.quantize_q8_1(o), out_act)
+    _store_attention(o, out_act, out_f32, out_x16)
 
 
 def emu_swiglu_q8_1(g, u, ld, F, act):

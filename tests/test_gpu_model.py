@@ -318,11 +318,34 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
     step = np.repeat(gds[..., 0], 32, axis=1)
     q8_excess = float(np.max(np.abs(deq - o) - step * (0.5 + 1e-6)))
     sm = int(np.sum(gds[..., 1].view(np.uint32) != Q.q8_1_block_sum(gq, gds[..., 0]).view(np.uint32)))
+    x16_mism = _x16_mismatches(cp, out, lambda xt: ops.attention.attention_prefill(qd, kd, vd, start, out_x16=xt,
+                                                                                    variant=variant))
     _report(test="prefill_attention", variant=variant, hd=hd, H=H, KVH=KVH, n=n, start=start, big=big, emulated=emulated,
-            max_err=err, bound=vmax * 2 ** -9, q8_excess=q8_excess, s_mismatches=sm)
+            max_err=err, bound=vmax * 2 ** -9, q8_excess=q8_excess, s_mismatches=sm, x16_mismatches=x16_mism)
     assert np.isfinite(o).all()
     assert err <= vmax * 2 ** -9
     assert q8_excess <= 1e-6 * vmax and sm == 0
+    assert x16_mism == 0
+
+
+def _x16_mismatches(cp, out_f32, run):
+    """The out_x16 form against the tiling oracle (engine.reference.wgmma.tile_x16, which
+    wgmma_tile_x16 matches bit for bit) of the f32 output: f16 values that differ in their bits
+    over tokens < T, plus values written into the padding tokens (left poisoned); 0 where the
+    columns are no whole 256-column super-blocks (no x16 operand then)."""
+    from engine.gpu.ops.wgmma import tiled_shape
+    from engine.reference.wgmma import tile_x16
+
+    T, K = map(int, out_f32.shape)
+    if K % 256:
+        return 0
+    xt = cp.full(tiled_shape(T, K), 0x7E01, dtype=cp.uint16).view(cp.float16)   # a NaN no kernel writes
+    run(xt)
+    got = cp.asnumpy(xt).view(np.uint16)
+    want = tile_x16(cp.asnumpy(out_f32)).view(np.uint16)
+    tok = (np.arange(got.shape[1])[None, :, None, None, None] * 8 + np.arange(8)[None, None, None, :, None]
+           + np.zeros(got.shape, dtype=np.int64))
+    return int(np.sum((got != want)[tok < T])) + int(np.sum(got[tok >= T] != 0x7E01))
 
 
 # ----------------------------------------------------------------------------- batched step (varlen)
@@ -543,8 +566,9 @@ def test_attention_varlen(cp, rng, hd, H, KVH):
     """A batched step: a 70-query sequence (two tiles), a 3-query one, two decode tokens (1-query
     tiles), own starts and cache bases in one cache, batch rows shuffled per sequence block,
     zero tiles padding the grid. f32 and q8_1 outputs bit-identical to the one-sequence kernel
-    run per sequence (over a copy of its cache rows); f32 within test_attention_prefill's bound
-    of the numpy oracle. Cache rows outside every sequence's keys hold NaN (never read)."""
+    run per sequence (over a copy of its cache rows), the x16 output to the tiling of the f32
+    one; f32 within test_attention_prefill's bound of the numpy oracle. Cache rows outside every
+    sequence's keys hold NaN (never read)."""
     from engine.gpu import ops
     from engine.gpu.ops.attention import varlen_max_tiles, varlen_tiles
     from engine.reference.numerics import attention_f16 as attention_numpy
@@ -559,7 +583,8 @@ def test_attention_varlen(cp, rng, hd, H, KVH):
     act = _q8(cp, T, H * hd)
     ops.attention.attention_varlen(qd, kd, vd, td, out_act=act)
     o, gq, gds = cp.asnumpy(out), cp.asnumpy(act.q), cp.asnumpy(act.ds)
-    mism, err = 0, 0.0
+    mism = _x16_mismatches(cp, out, lambda xt: ops.attention.attention_varlen(qd, kd, vd, td, out_x16=xt))
+    err = 0.0
     for s, (n, st, base) in enumerate(seqs):
         rows = slice(row0[s], row0[s] + n)
         L = st + n
@@ -569,9 +594,9 @@ def test_attention_varlen(cp, rng, hd, H, KVH):
         qs = np.ascontiguousarray(q[:, rows])
         ksd, vsd, qsd = cp.asarray(ks), cp.asarray(vs), cp.asarray(qs)
         so = cp.full((n, H * hd), np.nan, dtype=cp.float32)
-        ops.attention.attention_prefill(qsd, ksd, vsd, st, out_f32=so)
+        ops.attention.attention_prefill(qsd, ksd, vsd, st, out_f32=so, variant="fa2")
         sa = _q8(cp, n, H * hd)
-        ops.attention.attention_prefill(qsd, ksd, vsd, st, out_act=sa)
+        ops.attention.attention_prefill(qsd, ksd, vsd, st, out_act=sa, variant="fa2")
         so = cp.asnumpy(so)
         mism += int(np.sum(o[rows].view(np.uint32) != so.view(np.uint32)))
         mism += int(np.sum(gq[rows] != cp.asnumpy(sa.q)))
@@ -766,7 +791,8 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
     """The Hopper route on the CPU emulator (f16 activations, f16-rounded q4_K and q6_K weights):
     ubatches of >= wgmma_min_tokens tokens take it for every layer GEMM, shorter ones do not (q8_1
     MMQ); a q4_K | q6_K qkv group in one wgmma_pair launch; with q6_K left on MMQ that group gets
-    both operand forms from one norm; the logits stay within the bound."""
+    both operand forms from one norm; the attention writing the Wo operand itself (attn_x16)
+    leaves the logits bit for bit and tile_x16 unlaunched; the logits stay within the bound."""
     from engine.gpu import ops
     from engine.reference.model import ReferenceModel
     from engine.formats.weights import open_model
@@ -789,16 +815,26 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         g.wgmma_min_tokens = 64
         lg = g.forward(ids, g.new_cache(150), all_logits=True)     # ubatches 64, 64, 22
         n_all = len(calls)
+        tiled = []
+        tx = ops.wgmma.tile_x16
+        monkeypatch.setattr(ops.wgmma, "tile_x16", lambda x, out=None: tiled.append(x.shape) or tx(x, out=out))
+        g.attn_x16 = True           # the attention writes the Wo operand: no tile_x16, the same logits
+        lx = g.forward(ids, g.new_cache(150), all_logits=True)
+        g.attn_x16 = False
+        g.forward(ids[:64], g.new_cache(64))
+        n_tiled, n_before_q = len(tiled), len(calls)
         g.wgmma_kinds = frozenset({"q4_k"})
         lq = g.forward(ids, g.new_cache(150), all_logits=True)
     n_layers = mf.config.n_layers
+    assert np.array_equal(lx, lg)
+    assert n_tiled == n_layers and tiled[0] == (64, mf.config.q_dim)  # the 64-token forward only
     assert {t for t, _ in calls} == {64} and {k for _, k in calls} == {"q4_k", "q6_k", "pair"}
     # every layer GEMM of the two long ubatches: qkv group (one launch, or one per type), Wo,
     # gate|up, down
     pairs = [ops.wgmma.pairs([s.w for s in L.qkv]) for L in g.layers]
     assert any(pairs) and n_all == sum(2 * ((1 if p else len(L.qkv)) + 3) for p, L in zip(pairs, g.layers))
     assert sum(k == "pair" for _, k in calls[:n_all]) == 2 * sum(pairs)
-    assert all(k != "pair" for _, k in calls[n_all:])     # q6_K on MMQ: no pair launch
+    assert all(k != "pair" for _, k in calls[n_before_q:])     # q6_K on MMQ: no pair launch
     for out in (lg, lq):
         rel = np.linalg.norm(out - lr) / np.linalg.norm(lr)
         assert rel <= BOUNDS["tiny-qwen2"], rel

@@ -241,6 +241,9 @@ class GPUModel:
         # mmvq_mixed (decode q / k / v); GGUF_PREFILL_MIXED_LAUNCH=0: one launch per type, for
         # A/B runs (tests may set it)
         self.mixed_launch = os.environ.get("GGUF_PREFILL_MIXED_LAUNCH", "1").strip() != "0"
+        # the attention writing the Hopper Wo GEMM's f16 operand directly (out_x16, the bits
+        # tile_x16 makes): GGUF_PREFILL_ATTN_X16=1; off until measured on the device (tests may set it)
+        self.attn_x16 = os.environ.get("GGUF_PREFILL_ATTN_X16", "0").strip() == "1"
         if progress:
             print(f"\rloaded {model.path} to the GPU in {self.load_seconds:.1f} s: "
                   f"{self.resident_bytes / 2**30:.3f} GiB resident "
@@ -407,7 +410,11 @@ class GPUModel:
                                   cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd, start_dev,
                                   rows=None if varlen is None else varlen[:2])
             wo_x16 = self._on_wgmma(L.wo, T)
-            out = dict(out_f32=bufs.attn_f32()) if wo_x16 else dict(out_act=a_q)
+            # the attention writes the Wo GEMM's tiled operand itself (no tile_x16) where it can:
+            # not with decode rows in a batched step (attention_decode.cu writes f32 / q8_1)
+            fused_x16 = wo_x16 and self.attn_x16 and (varlen is None or varlen[3] is None)
+            out = (dict(out_x16=bufs.xt(qd)) if fused_x16 else dict(out_f32=bufs.attn_f32()) if wo_x16
+                   else dict(out_act=a_q))
             with self._span("attention"):
                 if varlen is None:
                     ops.attention.attention_prefill(qh, cache.k_layer(i), cache.v_layer(i), start,
@@ -418,8 +425,9 @@ class GPUModel:
             xt = None
             if wo_x16:
                 xt = bufs.xt(qd)
-                with self._span("tile_x16"):
-                    ops.wgmma.tile_x16(out["out_f32"], out=xt)
+                if not fused_x16:
+                    with self._span("tile_x16"):
+                        ops.wgmma.tile_x16(out["out_f32"], out=xt)
             self._gemm(L.wo, a_q, out=y, xt=xt)
             xt = self._norm(x, y, L.ffn_norm, a_d, bufs, [s.w for s in L.gate_up])
             views = self._seg_views(L.gate_up, a_d, role_cols, bufs, xt)

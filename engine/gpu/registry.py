@@ -304,19 +304,22 @@ def attn_combine_varlen_name(head_dim: int) -> str:
 ATT_PREFILL_HEAD_DIMS = (64, 128)
 
 
-def attn_prefill_name(head_dim: int, q8: bool) -> str:
-    return f"attn_prefill_h{head_dim}_{'q8' if q8 else 'f32'}"
+ATT_OUTPUTS = ("f32", "q8", "x16")   # attention output forms: float32 rows, q8_1 blocks, tiled f16
 
 
-def attn_wgmma_name(head_dim: int, q8: bool, q_smem: bool = False) -> str:
+def attn_prefill_name(head_dim: int, out: str) -> str:
+    return f"attn_prefill_h{head_dim}_{out}"
+
+
+def attn_wgmma_name(head_dim: int, out: str, q_smem: bool = False) -> str:
     """attention_wgmma.cu's one-sequence entry (Hopper; the arguments of attn_prefill_name's);
     q_smem: the form reading Q from shared memory through a descriptor."""
-    return f"attn_wgmma_{'qs_' if q_smem else ''}h{head_dim}_{'q8' if q8 else 'f32'}"
+    return f"attn_wgmma_{'qs_' if q_smem else ''}h{head_dim}_{out}"
 
 
-def attn_prefill_varlen_name(head_dim: int, q8: bool) -> str:
+def attn_prefill_varlen_name(head_dim: int, out: str) -> str:
     """The varlen entry of attention_prefill.cu (a batched step's tiles of several sequences)."""
-    return f"attn_prefill_varlen_h{head_dim}_{'q8' if q8 else 'f32'}"
+    return f"attn_prefill_varlen_h{head_dim}_{out}"
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -326,10 +329,10 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "embed.cu": ("embed_q4_k", "embed_q6_k"),
     "rmsnorm.cu": ("add_rmsnorm_q8_1", "add_rmsnorm_x16"),
     "rope.cu": ("qkv_rope",),
-    "attention_prefill.cu": tuple(attn_prefill_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True))
-    + tuple(attn_prefill_varlen_name(h, q8) for h in ATT_PREFILL_HEAD_DIMS for q8 in (False, True)),
-    "attention_wgmma.cu": tuple(attn_wgmma_name(h, q8, qs) for qs in (False, True) for h in ATT_PREFILL_HEAD_DIMS
-                                for q8 in (False, True)),
+    "attention_prefill.cu": tuple(attn_prefill_name(h, o) for h in ATT_PREFILL_HEAD_DIMS for o in ATT_OUTPUTS)
+    + tuple(attn_prefill_varlen_name(h, o) for h in ATT_PREFILL_HEAD_DIMS for o in ATT_OUTPUTS),
+    "attention_wgmma.cu": tuple(attn_wgmma_name(h, o, qs) for qs in (False, True) for h in ATT_PREFILL_HEAD_DIMS
+                                for o in ATT_OUTPUTS),
     "swiglu.cu": ("swiglu_q8_1", "swiglu_x16"),
     "quantize_q8_1.cu": ("quantize_q8_1",),
     "mmq_q4_k.cu": tuple(mmq_instance("q4_k", v, sp) for v, sp in mmq_launched("q4_k")),

@@ -78,53 +78,60 @@ def prefill_variant(head_dim: int) -> str:
     return "wgmma" if getattr(cupy.cuda.Device(), "compute_capability", "") == "90" else "fa2"
 
 
-def _check_io(op: str, qh, kc, vc, out_act, out_f32, varlen: bool):
-    """Shapes of an attention_prefill.cu launch; (H, n, hd, KVH, maxT, kernel name, O, Oq, Ods)."""
+def _check_io(op: str, qh, kc, vc, out_act, out_f32, out_x16):
+    """Shapes of an attention launch; (H, n, hd, KVH, maxT, output form, O, Oq, Ods)."""
+    from engine.gpu.ops.wgmma import tiled_shape
+
     H, n, hd = map(int, qh.shape)
     KVH, maxT = int(kc.shape[0]), int(kc.shape[1])
     if hd not in ATT_HEAD_DIMS:
         raise ValueError(f"{op}: head size {hd} not instantiated ({ATT_HEAD_DIMS})")
     if H % KVH:
         raise ValueError(f"{op}: {H} heads over {KVH} KV heads")
-    if (out_act is None) == (out_f32 is None):
-        raise ValueError(f"{op}: give exactly one of out_act, out_f32")
+    if sum(o is not None for o in (out_act, out_f32, out_x16)) != 1:
+        raise ValueError(f"{op}: give exactly one of out_act, out_f32, out_x16")
     contig(qh, np.float16, (H, n, hd), "attention q")
     contig(kc, np.float16, (KVH, maxT, hd), "attention kc")
     contig(vc, np.float16, (KVH, maxT, hd), "attention vc")
     QD = H * hd
-    name = registry.attn_prefill_varlen_name if varlen else registry.attn_prefill_name
     if out_act is not None:
         contig(out_act.q, np.int8, (n, QD), "attention out q")
         contig(out_act.ds, np.float32, (n, QD // 32, 2), "attention out ds")
-        return H, n, hd, KVH, maxT, name(hd, True), null(), out_act.q, out_act.ds
+        return H, n, hd, KVH, maxT, "q8", null(), out_act.q, out_act.ds
+    if out_x16 is not None:
+        if QD % 256:
+            raise ValueError(f"{op}: {H} x {hd} columns are no whole 256-column super-blocks for out_x16")
+        contig(out_x16, np.float16, tiled_shape(n, QD), "attention out x16")
+        return H, n, hd, KVH, maxT, "x16", out_x16, null(), null()
     contig(out_f32, np.float32, (n, QD), "attention out")
-    return H, n, hd, KVH, maxT, name(hd, False), out_f32, null(), null()
+    return H, n, hd, KVH, maxT, "f32", out_f32, null(), null()
 
 
 def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_dev=None,
-                      variant: str | None = None) -> None:
+                      variant: str | None = None, out_x16=None) -> None:
     """Causal GQA attention of the ubatch queries qh f16 [H, n, hd] (rope.cu's output) over the
     layer's cache kc/vc f16 [KVH, maxT, hd] (keys 0..start+n-1). Output: out_act (Q8Act
-    [n, H*hd], the attn_output GEMM's input) or out_f32 (float32 [n, H*hd]); exactly one.
+    [n, H*hd], the attn_output MMQ GEMM's input), out_f32 (float32 [n, H*hd]) or out_x16 (the
+    Hopper GEMM's tiled f16 operand, ops.wgmma.tiled_shape(n, H*hd): the bits tile_x16 makes of
+    out_f32); exactly one.
     start_dev (int32 [1] on the device, or None) is added to start in the kernel. variant: one of
     PREFILL_VARIANTS (None: the production choice)."""
     if variant is None:
         variant = prefill_variant(int(qh.shape[2]))
     if variant not in PREFILL_VARIANTS:
         raise ValueError(f"attention_prefill: unknown variant {variant!r} ({PREFILL_VARIANTS})")
-    H, n, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, False)
+    H, n, hd, KVH, maxT, out, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, out_x16)
     if start + n > maxT:
         raise ValueError(f"attention_prefill: tokens {start}..{start + n} exceed the cache ({maxT})")
     if n == 0:
         return
     smem = attention_smem_bytes(hd, variant)
     if variant.startswith("wgmma"):
-        k = kernels.get_kernel("attention_wgmma.cu",
-                               registry.attn_wgmma_name(hd, out_act is not None, variant == "wgmma_qs"),
+        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out, variant == "wgmma_qs"),
                                dynamic_smem=smem)
         bq, nth = ATT_WGMMA_BQ, ATT_WGMMA_THREADS
     else:
-        k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
+        k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
     k(((n + bq - 1) // bq, H), (nth,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
@@ -210,16 +217,19 @@ class VarlenDecode:
         self.part_ml = cp.empty((max(R, 1), n_heads, self.n_split, 2), dtype=cp.float32)
 
 
-def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode: VarlenDecode | None = None) -> None:
+def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode: VarlenDecode | None = None,
+                     out_x16=None) -> None:
     """Causal GQA attention of a batched step mixing sequences: queries qh f16 [H, T, hd]
     (rope.cu's output, rows in batch order), the layer's cache kc/vc f16 [KVH, maxT, hd], and
     tiles_dev int32 [n_tiles, 4] on the device (varlen_tiles: (row0, nq, pos0, kvbase) per
     tile, zero tiles skipped; their ranges are the caller's check). One block per tile and
-    head. Output rows in batch order: out_act (Q8Act [T, H*hd]) or out_f32 (float32
-    [T, H*hd]); exactly one. decode (VarlenDecode): its rows (the one-query tiles, which
-    tiles_dev then leaves out: varlen_plan) through attention_decode.cu's varlen split +
-    combine, grids (splits, KVH, R) and (H, R)."""
-    H, T, hd, KVH, maxT, name, o, oq, ods = _check_io("attention_varlen", qh, kc, vc, out_act, out_f32, True)
+    head. Output rows in batch order: out_act (Q8Act [T, H*hd]), out_f32 (float32 [T, H*hd]) or,
+    without decode rows, out_x16 (attention_prefill's); exactly one. decode (VarlenDecode): its
+    rows (the one-query tiles, which tiles_dev then leaves out: varlen_plan) through
+    attention_decode.cu's varlen split + combine, grids (splits, KVH, R) and (H, R)."""
+    H, T, hd, KVH, maxT, out, o, oq, ods = _check_io("attention_varlen", qh, kc, vc, out_act, out_f32, out_x16)
+    if out == "x16" and decode is not None:
+        raise ValueError("attention_varlen: decode rows (attention_decode.cu) write f32 or q8_1, not out_x16")
     n_tiles = int(tiles_dev.shape[0]) if tiles_dev.ndim == 2 else -1
     contig(tiles_dev, np.int32, (max(n_tiles, 0), 4), "attention tiles")
     _check_int4(tiles_dev, "tiles")
@@ -227,7 +237,7 @@ def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode: 
         return
     if n_tiles:
         smem = attention_smem_bytes(hd)
-        k = kernels.get_kernel("attention_prefill.cu", name, dynamic_smem=smem)
+        k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_varlen_name(hd, out), dynamic_smem=smem)
         k((n_tiles, H), (ATT_THREADS,),
           (qh, kc, vc, o, oq, ods, tiles_dev, np.int32(T), np.int32(H), np.int32(KVH), np.int32(maxT)),
           shared_mem=smem)
