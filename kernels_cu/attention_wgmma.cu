@@ -150,9 +150,6 @@ __device__ __forceinline__ void attn_wgmma_body(
         fence_proxy_async();
         __syncthreads();                              // every thread's, visible to the wgmmas; tile
                                                       // kt-1's wgmmas done, its buffer free
-#ifdef AW_FENCE_AFTER
-        fence_proxy_async();
-#endif
         if (kt + AW_STAGES - 1 < nkt) load_kv(kt + AW_STAGES - 1);
         cp_async_commit();
         const int k0 = kt * AT_BK;
