@@ -2,6 +2,7 @@
 // mma.sync, FlashAttention-2 loop; attention_wgmma.cu: Hopper wgmma) that do the same arithmetic
 // on the same register fragments.
 //   at_stage_q, at_q_frags: Q rows into shared memory, the warp's Q K^T A fragments from there
+//   at_init:     o = 0, m = -inf, l = 0
 // Fragments (a warp's 16 query rows; lane (g, t) = (lane / 4, lane % 4)): scores s[j][e] and
 // output o[j][e] of the n8 column block j: row g + 8 (e >> 1), column 8 j + 2 t + (e & 1), the
 // accumulator layout of mma.m16n8k16 and, per warp of a warpgroup, of wgmma.m64nNk16.
@@ -126,6 +127,15 @@ __device__ __forceinline__ void at_q_frags(u32 (&qa)[HD / 16][4], saddr sQ, int 
         const int ch = 2 * kk + (lane >> 4);
         ldmatrix_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], sQ + row * (HD * 2) + ((ch ^ (row & 7)) << 4));
     }
+}
+
+// The online-softmax state before the first key tile: o = 0, m = -inf, l = 0.
+template <int NO>
+__device__ __forceinline__ void at_init(float (&o)[NO][4], float (&mrow)[2], float (&lrow)[2]) {
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    mrow[0] = mrow[1] = AT_NEG_INF;
+    lrow[0] = lrow[1] = 0.0f;
 }
 
 // Keys k0 + 8 j + 2 t + (e & 1) after the position of row g + 8 (e >> 1) (prow: position of row g).

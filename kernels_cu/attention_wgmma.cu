@@ -138,10 +138,8 @@ __device__ __forceinline__ void attn_wgmma_body(
         cp_async_commit();
     }
 
-    float o[NO][4];
-#pragma unroll
-    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float mrow[2] = {AT_NEG_INF, AT_NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    float o[NO][4], mrow[2], lrow[2];
+    at_init(o, mrow, lrow);
     const int wfirst = pos0 + warp * 16;              // position of the warp's first query
     const int prow = wfirst + g;                      // rows g and g + 8
 

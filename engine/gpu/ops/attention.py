@@ -29,6 +29,9 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
+ATT_WGMMA_BQ = 128          # queries per attention_wgmma.cu block (AW_BQ: two warpgroups)
+ATT_WGMMA_THREADS = 256
+ATT_WGMMA_STAGES = 3        # K/V tiles in flight (AW_STAGES)
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90; Q from registers),
 # "wgmma_qs" = the same with Q read from shared memory (not yet measured); prefill_variant chooses
@@ -41,11 +44,6 @@ def _cupy():
     import cupy as cp
 
     return cp
-
-
-ATT_WGMMA_BQ = 128          # queries per attention_wgmma.cu block (AW_BQ: two warpgroups)
-ATT_WGMMA_THREADS = 256
-ATT_WGMMA_STAGES = 3        # K/V tiles in flight (AW_STAGES)
 
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
