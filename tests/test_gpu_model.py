@@ -352,7 +352,8 @@ def _x16_mismatches(cp, out_f32, run):
 
 def test_prefill_variant_rule(monkeypatch):
     """The production prefill attention: wgmma on sm_90 for head size 128 only, fa2 for other
-    head sizes and GPUs; GGUF_PREFILL_ATTN=fa2 forces fa2, an unknown value is a named error."""
+    head sizes and GPUs; GGUF_PREFILL_ATTN names a variant (a wgmma one on sm_90 only), an
+    unknown value is a named error."""
     import types
 
     from engine.errors import GGUFError
@@ -370,8 +371,11 @@ def test_prefill_variant_rule(monkeypatch):
     gpu("90")
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "fa2")
     assert prefill_variant(128) == "fa2"
-    monkeypatch.setenv("GGUF_PREFILL_ATTN", "wgmma")
-    assert prefill_variant(128) == "wgmma" and prefill_variant(64) == "fa2"
+    monkeypatch.setenv("GGUF_PREFILL_ATTN", "wgmma_qs")
+    assert prefill_variant(128) == "wgmma_qs" and prefill_variant(64) == "wgmma_qs"
+    gpu("89")
+    assert prefill_variant(64) == "fa2"
+    gpu("90")
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "flash")
     with pytest.raises(GGUFError, match="GGUF_PREFILL_ATTN"):
         prefill_variant(128)

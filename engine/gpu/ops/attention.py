@@ -65,15 +65,17 @@ ATT_WGMMA_HEAD_DIMS = (128,)
 def prefill_variant(head_dim: int) -> str:
     """The attention_prefill kernel for this head size: "wgmma" on an sm_90 GPU for the head
     sizes of ATT_WGMMA_HEAD_DIMS (measured 1.19-1.27x attention_prefill.cu on the H100, outputs
-    bit-identical), "fa2" otherwise; GGUF_PREFILL_ATTN=fa2 forces "fa2" (A/B runs)."""
+    bit-identical), "fa2" otherwise. GGUF_PREFILL_ATTN names the variant instead (A/B runs and
+    whole-model tests): fa2 anywhere, a wgmma variant on sm_90 at any instantiated head size."""
     env = os.environ.get("GGUF_PREFILL_ATTN", "").strip()
     if env and env not in PREFILL_VARIANTS:
         raise GGUFError(f"GGUF_PREFILL_ATTN={env!r}: one of {', '.join(PREFILL_VARIANTS)}")
-    if env == "fa2" or head_dim not in ATT_WGMMA_HEAD_DIMS:
+    if env == "fa2" or (not env and head_dim not in ATT_WGMMA_HEAD_DIMS):
         return "fa2"
     import cupy
 
-    return "wgmma" if getattr(cupy.cuda.Device(), "compute_capability", "") == "90" else "fa2"
+    hopper = getattr(cupy.cuda.Device(), "compute_capability", "") == "90"
+    return (env or "wgmma") if hopper else "fa2"
 
 
 def _check_io(op: str, qh, kc, vc, out_act, out_f32, out_x16):
