@@ -10,7 +10,8 @@
 //   at_mask:     keys after the row's position -> -inf (only tiles crossing the diagonal)
 //   at_softmax:  m_new = max(m, rowmax s); corr = 2^(m - m_new); p = 2^(s - m_new);
 //                l = l corr + sum p; o *= corr (a row with every score -inf so far uses 0 as
-//                its max: 2^-inf = 0, never NaN)
+//                its max: 2^-inf = 0, never NaN); at_softmax_row + at_rescale_row: the same
+//                per row in two steps (corr kept until o may be touched)
 //   at_pack_p:   p of 16 keys as the f16 A fragment of the P . V step
 //   at_store:    o / l as float32 rows, as q8_1 blocks (d = amax/127, q = roundf(o/d),
 //                s = d * sum(q); see rmsnorm.cu for why not sum(o)) or as the wgmma GEMMs' f16 operand
@@ -22,7 +23,7 @@
 #define AT_BK 64
 #define AT_NTH 128
 #define AT_NEG_INF __int_as_float(0xff800000)
-#define AT_SMEM_MAX (8 * 64 * 256)          // the largest dynamic smem of the two kernels (emulation)
+#define AT_SMEM_MAX (10 * 64 * 256)         // the largest dynamic smem of the two kernels (emulation)
 
 #ifndef GGP_EMU
 typedef u32 saddr;                          // shared-memory address (cvta.to.shared)
@@ -150,34 +151,44 @@ __device__ __forceinline__ void at_mask(float (&s)[NS][4], int k0, int prow, int
         }
 }
 
+// The online-softmax step of row r (g + 8 r) of one key tile, o aside: s -> p in place, m and l
+// updated; returns corr, the factor that row of o is to be scaled by.
+template <int NS>
+__device__ __forceinline__ float at_softmax_row(float (&s)[NS][4], float (&mrow)[2], float (&lrow)[2], int r) {
+    float mx = AT_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(mrow[r], mx);
+    const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
+    const float corr = exp2f(mrow[r] - muse);
+    mrow[r] = mnew;
+    float ls = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+        s[j][2 * r] = exp2f(s[j][2 * r] - muse);
+        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
+        ls += s[j][2 * r] + s[j][2 * r + 1];
+    }
+    lrow[r] = fmaf(lrow[r], corr, ls);
+    return corr;
+}
+
+template <int NO>
+__device__ __forceinline__ void at_rescale_row(float (&o)[NO][4], float corr, int r) {
+#pragma unroll
+    for (int j = 0; j < NO; ++j) {
+        o[j][2 * r] *= corr;
+        o[j][2 * r + 1] *= corr;
+    }
+}
+
 // The online-softmax step of one key tile: s -> p in place, m, l updated, o rescaled.
 template <int NS, int NO>
 __device__ __forceinline__ void at_softmax(float (&s)[NS][4], float (&o)[NO][4], float (&mrow)[2], float (&lrow)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float mx = AT_NEG_INF;
-#pragma unroll
-        for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(mrow[r], mx);
-        const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
-        const float corr = exp2f(mrow[r] - muse);
-        mrow[r] = mnew;
-        float ls = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NS; ++j) {
-            s[j][2 * r] = exp2f(s[j][2 * r] - muse);
-            s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
-            ls += s[j][2 * r] + s[j][2 * r + 1];
-        }
-        lrow[r] = fmaf(lrow[r], corr, ls);
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            o[j][2 * r] *= corr;
-            o[j][2 * r + 1] *= corr;
-        }
-    }
+    for (int r = 0; r < 2; ++r) at_rescale_row(o, at_softmax_row(s, mrow, lrow, r), r);
 }
 
 // p of keys 16 kk .. 16 kk + 15 of the tile as the A fragment (rows g, g + 8; k 2t.., 2t+8..).

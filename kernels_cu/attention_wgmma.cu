@@ -36,13 +36,20 @@
 // QS (the attn_wgmma_qs_* entries, not yet measured on the GPU): Q stays in shared memory as two
 // swizzled 64-row tiles (one per warpgroup, after the stages) and S reads it through an A
 // descriptor (wgmma_ss_n): no Q registers to reuse, 30 fewer registers in all.
+// OV (the attn_wgmma_ov_* entries: QS and FA3's intra-warpgroup overlap): S of tile kt and P V of
+// tile kt - 1 are issued together and the softmax of tile kt runs while P V does; o is rescaled
+// after P V lands, so the arithmetic (and the output) is the plain loop's. AW_OV_STAGES (4)
+// stages: tiles kt - 1 (V) and kt in use, two loading.
 // Grid (ceil(n / 128), H), q tiles in reverse order (longest first); 256 threads; dynamic smem
-// AW_STAGES * 2 * 64 * HD * 2 bytes (96 KB at HD = 128), QS: + 128 * HD * 2.
+// stages * 2 * 64 * HD * 2 bytes (96 KB at HD = 128; OV 128 KB), QS / OV: + 128 * HD * 2.
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
 #ifndef AW_STAGES
 #define AW_STAGES 3                       // K/V tiles in shared memory (loaded AW_STAGES - 1 ahead)
+#endif
+#ifndef AW_OV_STAGES
+#define AW_OV_STAGES 4                    // OV: tiles kt - 1 (its V) and kt in use, 2 loaded ahead
 #endif
 #ifndef AW_V_LBO                          // V (MN-major, 128-byte swizzle): LBO = the next 64 columns
 #define AW_V_LBO ATOM                     // (atom column), SBO = the next 8 keys (PTX ISA / CUTLASS's
@@ -51,7 +58,7 @@
 #define AW_BQ 128                         // queries per block: two warpgroups of 64
 #define AW_NTH 256
 
-template <int HD, int OUT, bool QS>
+template <int HD, int OUT, bool QS, bool OV>
 __device__ __forceinline__ void attn_wgmma_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
@@ -65,7 +72,10 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr u32 ATOM = AT_BK * 128;     // bytes of one 64-column atom column of a tile
     static_assert(AT_BK == 64, "64-key tiles");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
-    static_assert(AW_STAGES >= 2 && (QS || AW_BQ * ROWB <= STAGE * (AW_STAGES - 1)), "Q staged in stages 1..");
+    constexpr int NST = OV ? AW_OV_STAGES : AW_STAGES;   // K/V stages
+    constexpr int AHEAD = OV ? NST - 2 : NST - 1;          // tiles loaded ahead of the one in use
+    static_assert(!OV || QS, "the overlapped loop reads Q from shared memory");
+    static_assert(AHEAD >= 1 && (QS || AW_BQ * ROWB <= STAGE * (NST - 1)), "Q staged in stages 1..");
 
 #ifndef GGP_EMU
     extern __shared__ __align__(1024) u8 smem[];
@@ -75,7 +85,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    constexpr u32 QOFF = AW_STAGES * STAGE;   // QS: the swizzled Q tiles (TILE per warpgroup)
+    constexpr u32 QOFF = NST * STAGE;   // QS: the swizzled Q tiles (TILE per warpgroup)
     if (dyn_smem_bytes() < QOFF + (QS ? AW_BQ * ROWB : 0) || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
     const saddr sQ = s0 + STAGE;          // !QS: stages 1.., until tile 1 is loaded
@@ -111,7 +121,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     // Copy p of a tile: chunk p % CH of key p / CH (a warp reads whole key rows); its 8-chunk
     // piece of a 128-byte atom row lands permuted within that row (conflict-free).
     auto load_kv = [&](int kt) {
-        const u32 buf = (kt % AW_STAGES) * STAGE;
+        const u32 buf = (kt % NST) * STAGE;
 #pragma unroll
         for (int p = tid; p < AT_BK * CH; p += AW_NTH) {
             const int kin = p / CH, ch = p % CH;
@@ -133,7 +143,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         __syncthreads();                              // Q's staging buffers are free
     }
 #pragma unroll
-    for (int j = 1; j < AW_STAGES - 1; ++j) {
+    for (int j = 1; j < AHEAD; ++j) {
         if (j < nkt) load_kv(j);
         cp_async_commit();
     }
@@ -143,19 +153,9 @@ __device__ __forceinline__ void attn_wgmma_body(
     const int wfirst = pos0 + warp * 16;              // position of the warp's first query
     const int prow = wfirst + g;                      // rows g and g + 8
 
-    for (int kt = 0; kt < nkt; ++kt) {
-        cp_async_wait<AW_STAGES - 2>();               // this thread's copies of tile kt landed
-        fence_proxy_async();
-        __syncthreads();                              // every thread's, visible to the wgmmas; tile
-                                                      // kt-1's wgmmas done, its buffer free
-        if (kt + AW_STAGES - 1 < nkt) load_kv(kt + AW_STAGES - 1);
-        cp_async_commit();
-        const int k0 = kt * AT_BK;
-        if (k0 > wg_last) continue;                   // warpgroup-uniform: no query of it sees these keys
-        const u32 kdesc = sbase + (kt % AW_STAGES) * STAGE, vdesc = kdesc + TILE;
-
-        float s[8][4];
-        wg_fence();
+    // S = Q K^T of tile kt into s (issued and committed; not waited for).
+    auto issue_s = [&](float (&s)[8][4], int kt) {
+        const u32 kdesc = sbase + (kt % NST) * STAGE;
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             const u32 kstep = (kk >> 2) * ATOM + (kk & 3) * 32;   // k16 step kk of a swizzled tile
@@ -171,47 +171,128 @@ __device__ __forceinline__ void attn_wgmma_body(
             }
         }
         wg_commit();
-        wg_wait<0>();
-        wg_keep(reinterpret_cast<float(&)[32]>(s));   // no read of s above the wait
-        if (k0 + AT_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
-        at_softmax(s, o, mrow, lrow);
-        u32 pa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) at_pack_p(pa[kk], s, kk);
-        wg_fence();
+    };
+    // O += P V of tile kt (issued and committed; not waited for).
+    auto issue_pv = [&](const u32 (&pa)[4][4], int kt) {
+        const u32 vdesc = sbase + (kt % NST) * STAGE + TILE;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
             wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_sw128(vdesc + kk * 2048, AW_V_LBO, AW_V_SBO));
         wg_commit();
+    };
+    // Top of key tile kt: tile kt visible to every wgmma, and (the barrier) every warpgroup past
+    // its P V of tile kt - AHEAD, whose buffer the copies of tile kt + AHEAD then reuse.
+    auto next_tile = [&](int kt) {
+        cp_async_wait<AHEAD - 1>();                   // this thread's copies of tile kt landed
+        fence_proxy_async();
+        __syncthreads();                              // every thread's, visible to the wgmmas
+        if (kt + AHEAD < nkt) load_kv(kt + AHEAD);
+        cp_async_commit();
+    };
+    u32 pa[4][4];                                     // P of the tile, the A operand of P V
+
+    if constexpr (!OV) {
+        // Per tile: S; wait; mask, softmax (o rescaled); P V; wait.
+        for (int kt = 0; kt < nkt; ++kt) {
+            next_tile(kt);
+            const int k0 = kt * AT_BK;
+            if (k0 > wg_last) continue;               // warpgroup-uniform: no query of it sees these keys
+            float s[8][4];
+            wg_fence();
+            issue_s(s, kt);
+            wg_wait<0>();
+            wg_keep(reinterpret_cast<float(&)[32]>(s));   // no read of s above the wait
+            if (k0 + AT_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
+            at_softmax(s, o, mrow, lrow);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) at_pack_p(pa[kk], s, kk);
+            wg_fence();
+            issue_pv(pa, kt);
+            wg_wait<0>();
+            wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
+            wg_keep(reinterpret_cast<u32(&)[16]>(pa));    // P's registers live until the wgmmas read them
+        }
+    } else {
+        // Per tile (FA3's intra-warpgroup overlap): S of tile kt and P V of tile kt - 1 issued
+        // together; wait for S; mask and softmax (corr kept) while P V runs; wait for P V; o *= corr;
+        // P of tile kt packed. The arithmetic on o is the same sequence (+= P V, *= corr, ...), so
+        // the output bits are those of the loop above. The first tile and the last P V are peeled
+        // (a wgmma under a branch makes ptxas serialize them all: C7520); a warpgroup's tiles are
+        // 0 .. its last query's, and it joins the remaining tiles' barriers after its last P V
+        // (which reads V of tile wg_nkt - 1: that buffer is reused at barrier wg_nkt + 1).
+        const int wg_nkt = wg_last / AT_BK + 1;       // warpgroup-uniform
+        float corr[2];
+        auto softmax_pack = [&](float (&s)[8][4], int kt, bool pv_pending) {
+            const int k0 = kt * AT_BK;
+            if (k0 + AT_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) corr[r] = at_softmax_row(s, mrow, lrow, r);
+            if (pv_pending) {
+                wg_wait<0>();                         // P V of tile kt - 1 landed in o
+                wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
+                wg_keep(reinterpret_cast<u32(&)[16]>(pa));
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) at_pack_p(pa[kk], s, kk);
+        };
+        {
+            float s[8][4];
+            next_tile(0);
+            wg_fence();
+            issue_s(s, 0);
+            wg_wait<0>();
+            wg_keep(reinterpret_cast<float(&)[32]>(s));
+            softmax_pack(s, 0, false);
+        }
+        for (int kt = 1; kt < wg_nkt; ++kt) {
+            float s[8][4];
+            next_tile(kt);
+            wg_fence();
+            issue_s(s, kt);
+            issue_pv(pa, kt - 1);
+            wg_wait<1>();                             // S landed (groups complete in order)
+            wg_keep(reinterpret_cast<float(&)[32]>(s));
+            softmax_pack(s, kt, true);
+        }
+        wg_fence();
+        issue_pv(pa, wg_nkt - 1);
         wg_wait<0>();
         wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
-        wg_keep(reinterpret_cast<u32(&)[16]>(pa));    // P's registers live until the wgmmas read them
+        for (int kt = wg_nkt; kt < nkt; ++kt) next_tile(kt);
     }
 
     if (idle) return;                                 // warp-uniform; no block barrier below
     at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
 }
 
-#define AW_INSTANCE(NAME, HDV, OUTV, QSV)                                                        \
+#define AW_INSTANCE(NAME, HDV, OUTV, QSV, OVV)                                                      \
     extern "C" __global__ void __launch_bounds__(AW_NTH, 1)                                     \
     NAME(const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,     \
          float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
          int KVH, const int* __restrict__ startp, int start0, int maxT) {                       \
         pdl_entry();                                                                            \
         const int q0 = (gridDim.x - 1 - blockIdx.x) * AW_BQ;                                    \
-        attn_wgmma_body<HDV, OUTV, QSV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), \
+        attn_wgmma_body<HDV, OUTV, QSV, OVV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), \
                                        start0 + (startp ? *startp : 0) + q0, 0, maxT);         \
     }
 
-AW_INSTANCE(attn_wgmma_h64_f32, 64, AT_F32, false)
-AW_INSTANCE(attn_wgmma_h64_q8, 64, AT_Q8, false)
-AW_INSTANCE(attn_wgmma_h64_x16, 64, AT_X16, false)
-AW_INSTANCE(attn_wgmma_h128_f32, 128, AT_F32, false)
-AW_INSTANCE(attn_wgmma_h128_q8, 128, AT_Q8, false)
-AW_INSTANCE(attn_wgmma_h128_x16, 128, AT_X16, false)
-AW_INSTANCE(attn_wgmma_qs_h64_f32, 64, AT_F32, true)
-AW_INSTANCE(attn_wgmma_qs_h64_q8, 64, AT_Q8, true)
-AW_INSTANCE(attn_wgmma_qs_h64_x16, 64, AT_X16, true)
-AW_INSTANCE(attn_wgmma_qs_h128_f32, 128, AT_F32, true)
-AW_INSTANCE(attn_wgmma_qs_h128_q8, 128, AT_Q8, true)
-AW_INSTANCE(attn_wgmma_qs_h128_x16, 128, AT_X16, true)
+AW_INSTANCE(attn_wgmma_h64_f32, 64, AT_F32, false, false)
+AW_INSTANCE(attn_wgmma_h64_q8, 64, AT_Q8, false, false)
+AW_INSTANCE(attn_wgmma_h64_x16, 64, AT_X16, false, false)
+AW_INSTANCE(attn_wgmma_h128_f32, 128, AT_F32, false, false)
+AW_INSTANCE(attn_wgmma_h128_q8, 128, AT_Q8, false, false)
+AW_INSTANCE(attn_wgmma_h128_x16, 128, AT_X16, false, false)
+AW_INSTANCE(attn_wgmma_qs_h64_f32, 64, AT_F32, true, false)
+AW_INSTANCE(attn_wgmma_qs_h64_q8, 64, AT_Q8, true, false)
+AW_INSTANCE(attn_wgmma_qs_h64_x16, 64, AT_X16, true, false)
+AW_INSTANCE(attn_wgmma_qs_h128_f32, 128, AT_F32, true, false)
+AW_INSTANCE(attn_wgmma_qs_h128_q8, 128, AT_Q8, true, false)
+AW_INSTANCE(attn_wgmma_qs_h128_x16, 128, AT_X16, true, false)
+AW_INSTANCE(attn_wgmma_ov_h64_f32, 64, AT_F32, true, true)
+AW_INSTANCE(attn_wgmma_ov_h64_q8, 64, AT_Q8, true, true)
+AW_INSTANCE(attn_wgmma_ov_h64_x16, 64, AT_X16, true, true)
+AW_INSTANCE(attn_wgmma_ov_h128_f32, 128, AT_F32, true, true)
+AW_INSTANCE(attn_wgmma_ov_h128_q8, 128, AT_Q8, true, true)
+AW_INSTANCE(attn_wgmma_ov_h128_x16, 128, AT_X16, true, true)

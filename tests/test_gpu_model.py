@@ -286,7 +286,7 @@ def _variant_runs(cp, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fa2", "wgmma", "wgmma_qs"])
+@pytest.mark.parametrize("variant", ["fa2", "wgmma", "wgmma_qs", "wgmma_ov"])
 @pytest.mark.parametrize("hd,H,KVH,n,start,big", [
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True), (128, 7, 1, 200, 70, False)])

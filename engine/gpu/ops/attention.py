@@ -32,10 +32,12 @@ ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 ATT_WGMMA_BQ = 128          # queries per attention_wgmma.cu block (AW_BQ: two warpgroups)
 ATT_WGMMA_THREADS = 256
 ATT_WGMMA_STAGES = 3        # K/V tiles in flight (AW_STAGES)
+ATT_WGMMA_OV_STAGES = 4     # the overlapped form's (AW_OV_STAGES)
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90; Q from registers),
-# "wgmma_qs" = the same with Q read from shared memory (not yet measured); prefill_variant chooses
-PREFILL_VARIANTS = ("fa2", "wgmma", "wgmma_qs")
+# "wgmma_qs" = the same with Q read from shared memory, "wgmma_ov" = wgmma_qs with S of the next
+# tile overlapped with the softmax (FA3's; neither yet measured); prefill_variant chooses
+PREFILL_VARIANTS = ("fa2", "wgmma", "wgmma_qs", "wgmma_ov")
 # decode
 ATT_TK = 64                 # keys per attention tile (attention_decode.cu)
 
@@ -49,8 +51,9 @@ def _cupy():
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows,
     wgmma ATT_WGMMA_STAGES x (K, V) (Q staged through the stages), wgmma_qs those and Q's 128
-    rows."""
-    tiles = {"fa2": 5, "wgmma": 2 * ATT_WGMMA_STAGES, "wgmma_qs": 2 * ATT_WGMMA_STAGES + 2}[variant]
+    rows, wgmma_ov ATT_WGMMA_OV_STAGES x (K, V) and Q's 128 rows."""
+    tiles = {"fa2": 5, "wgmma": 2 * ATT_WGMMA_STAGES, "wgmma_qs": 2 * ATT_WGMMA_STAGES + 2,
+             "wgmma_ov": 2 * ATT_WGMMA_OV_STAGES + 2}[variant]
     return tiles * 64 * head_dim * 2
 
 
@@ -127,7 +130,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
         return
     smem = attention_smem_bytes(hd, variant)
     if variant.startswith("wgmma"):
-        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out, variant == "wgmma_qs"),
+        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out, variant.partition("_")[2]),
                                dynamic_smem=smem)
         bq, nth = ATT_WGMMA_BQ, ATT_WGMMA_THREADS
     else:
