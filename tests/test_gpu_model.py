@@ -350,6 +350,21 @@ def _x16_mismatches(cp, out_f32, run):
 
 # ----------------------------------------------------------------------------- batched step (varlen)
 
+def test_default_ubatch(monkeypatch):
+    """The prompt ubatch: DEFAULT_UBATCH, or GGUF_PREFILL_UBATCH; a bad value is a named error."""
+    from engine.errors import GGUFError
+    from engine.gpu.model import DEFAULT_UBATCH, default_ubatch
+
+    monkeypatch.delenv("GGUF_PREFILL_UBATCH", raising=False)
+    assert default_ubatch() == DEFAULT_UBATCH
+    monkeypatch.setenv("GGUF_PREFILL_UBATCH", "8192")
+    assert default_ubatch() == 8192
+    for bad in ("0", "-5", "4k"):
+        monkeypatch.setenv("GGUF_PREFILL_UBATCH", bad)
+        with pytest.raises(GGUFError, match="GGUF_PREFILL_UBATCH"):
+            default_ubatch()
+
+
 def test_prefill_variant_rule(monkeypatch):
     """The production prefill attention: wgmma on sm_90 for head size 128 only, fa2 for other
     head sizes and GPUs; GGUF_PREFILL_ATTN names a variant (a wgmma one on sm_90 only), an

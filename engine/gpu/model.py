@@ -67,6 +67,17 @@ from engine.gpu.profiler import OpTimer
 DEFAULT_UBATCH = 4096
 
 
+def default_ubatch() -> int:
+    """DEFAULT_UBATCH, or GGUF_PREFILL_UBATCH (tokens per prompt forward: larger takes more
+    activation memory; A/B runs of long prompts)."""
+    env = os.environ.get("GGUF_PREFILL_UBATCH", "").strip()
+    if not env:
+        return DEFAULT_UBATCH
+    if not env.isdigit() or int(env) < 1:
+        raise GGUFError(f"GGUF_PREFILL_UBATCH={env!r}: a token count >= 1")
+    return int(env)
+
+
 def wgmma_default_min_tokens() -> int | None:
     """The ubatch size from which the layer GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS
     on an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0; GGUF_PREFILL_WGMMA=N
@@ -147,14 +158,14 @@ class GPUModel:
 
     device = "gpu"
 
-    def __init__(self, model: ModelFile, progress: bool = False, ubatch: int = DEFAULT_UBATCH,
+    def __init__(self, model: ModelFile, progress: bool = False, ubatch: int | None = None,
                  pad_q6k: bool = True, graph_prefill: bool = True):
         cp = _cp()
         from engine.gpu.weights import upload_weight
 
         self.file = model
         self.config = cfg = model.config
-        self.ubatch = int(ubatch)
+        self.ubatch = default_ubatch() if ubatch is None else int(ubatch)
         self.graph_prefill = bool(graph_prefill)     # prompts of <= GRAPH_MAX_TOKENS: prefill_graph.py
         if self.ubatch < 1:
             raise ValueError(f"ubatch must be >= 1, got {ubatch}")
