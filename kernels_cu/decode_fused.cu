@@ -6,7 +6,8 @@
 //
 // decode_embed      x[k] = dequant(token_embd)[state[0], k]          (one row; q4_K, q6_K raw
 //                   or padded, f16, f32): q4_K (d*sc)*q - (dmin*m), q6_K (d*sc)*q.
-// rmsnorm_q8        h = (x * (1 / sqrt(mean(x^2) + eps))) * w, then q8_1 of h. One block.
+// rmsnorm_q8        h = (x * (1 / sqrt(mean(x^2) + eps))) * w, then q8_1 of h. ceil(K / 1024)
+//                   blocks, each reducing all of x (any grid gives the same bits).
 // quantize_row_q8   q8_1 of a float32 row, one warp per 32 values.
 //   q8_1 as engine.quants.quantize_q8_1: decode_common.cuh q8_1_warp (s = d * sum(q)).
 // qkv_post          qkv = [q | k | v] (float32, H*HD + 2*KVH*HD, straight from the MMVQ) plus
@@ -68,7 +69,13 @@ decode_embed(const u8* __restrict__ W, long long row_bytes, int wtype, int bstri
 // ---------------------------------------------------------------- rmsnorm + q8_1
 
 #define RMS_NT 1024
+#define RMS_MAXJ 8                           // K <= RMS_NT * RMS_MAXJ (ops.norm.RMSNORM_MAX_K)
 
+// Every block computes the same sum of squares in the order of one 1024-thread block (thread t
+// adds x[t], x[t + 1024], ... in turn; warp, then block butterflies), then quantizes the 1024-value
+// slices b, b + gridDim.x, ...: slice s's value t is the thread's own x[t + 1024 s], and warp w
+// writes its q8_1 group 32 s + w. So any grid gives the one-block bits; the decode step launches
+// ceil(K / 1024) blocks (one group per warp: the groups are written in parallel, not in turn).
 extern "C" __global__ void __launch_bounds__(RMS_NT)
 rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, int K,
            i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout) {
@@ -76,8 +83,13 @@ rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, 
     __shared__ float red[RMS_NT / 32];
     __shared__ float rscale;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float xv[RMS_MAXJ];                      // all loads issued before the first add
+#pragma unroll
+    for (int j = 0; j < RMS_MAXJ; ++j) xv[j] = tid + j * RMS_NT < K ? x[tid + j * RMS_NT] : 0.0f;
     float ss = 0.0f;
-    for (int k = tid; k < K; k += RMS_NT) ss += x[k] * x[k];
+#pragma unroll
+    for (int j = 0; j < RMS_MAXJ; ++j)
+        if (tid + j * RMS_NT < K) ss += xv[j] * xv[j];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     if (lane == 0) red[warp] = ss;
@@ -93,11 +105,13 @@ rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, 
     }
     __syncthreads();
     const float r = rscale;
-    for (int blk = warp; blk < (K >> 5); blk += RMS_NT / 32) {
-        const int k = blk * 32 + lane;
-        const float h = __fmul_rn(__fmul_rn(x[k], r), w[k]);
+#pragma unroll
+    for (int j = 0; j < RMS_MAXJ; ++j) {
+        const int k = tid + j * RMS_NT;      // K is a multiple of 32: whole warps in or out
+        if (j % gridDim.x != blockIdx.x || k >= K) continue;
+        const float h = __fmul_rn(__fmul_rn(xv[j], r), w[k]);
         if (hout) hout[k] = h;
-        q8_1_warp(h, q + k, ds + blk);
+        q8_1_warp(h, q + k, ds + (k >> 5));
     }
 }
 

@@ -443,15 +443,21 @@ def test_rmsnorm_q8(cp, rng):
     from engine.reference.ops import rms_norm
 
     k = kernels.get_kernel("decode_fused.cu", "rmsnorm_q8")
-    for K in (256, 1536, 4096):
+    for K in (256, 1536, 3584, 4096, 8192):
         x = (rng.standard_normal(K) * 3).astype(np.float32)
         w = rng.uniform(0.5, 1.5, K).astype(np.float32)
         eps = np.float32(1e-6)
-        q = cp.full(K, 127, dtype=cp.int8)
-        ds = cp.full((K // 32, 2), np.nan, dtype=cp.float32)
-        h = cp.full(K, np.nan, dtype=cp.float32)
-        k((1,), (1024,), (cp.asarray(x), cp.asarray(w), eps, np.int32(K), q, ds, h))
-        got = cp.asnumpy(h)
+        outs = []
+        for grid in sorted({1, 2, -(-K // 1024)}):   # the decode step's grid: ceil(K / 1024)
+            q = cp.full(K, 127, dtype=cp.int8)
+            ds = cp.full((K // 32, 2), np.nan, dtype=cp.float32)
+            h = cp.full(K, np.nan, dtype=cp.float32)
+            k((grid,), (1024,), (cp.asarray(x), cp.asarray(w), eps, np.int32(K), q, ds, h))
+            outs.append((cp.asnumpy(q), cp.asnumpy(ds), cp.asnumpy(h)))
+        for o in outs[1:]:                            # every grid: the one-block bits
+            assert all((a.view(np.uint8) == b.view(np.uint8)).all() for a, b in zip(o, outs[0])), K
+        q, ds = outs[0][0], outs[0][1]
+        got = outs[0][2]
         ref = rms_norm(x[None], w, float(eps))[0]
         # both sums of squares (positive terms) carry at most depth x U relative error: the
         # kernel's K / 1024 serial adds and two 32-lane trees, numpy's pairwise log2 K; the
@@ -460,9 +466,8 @@ def test_rmsnorm_q8(cp, rng):
         depth = -(-K // 1024) + 10 + int(np.ceil(np.log2(K)))
         assert np.all(np.abs(got - ref) <= (depth / 2 + 4) * U * np.abs(ref) + 1e-30), K
         rq, rd, rs = Q.quantize_q8_1(got[None])
-        assert (cp.asnumpy(q) == rq[0]).all()
-        gds = cp.asnumpy(ds)
-        assert (gds[:, 0] == rd[0]).all() and (gds[:, 1] == rs[0]).all()
+        assert (q == rq[0]).all()
+        assert (ds[:, 0] == rd[0]).all() and (ds[:, 1] == rs[0]).all()
 
 
 def test_quantize_row_q8(cp, rng):

@@ -135,8 +135,9 @@ class DecodeStep:
         q_out, k_out, v_out = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
         ts, hs = cache.tok_stride, cache.head_stride
 
-        def norm(nw):            # rmsnorm(x) * nw -> act_d
-            rms((1,), (1024,), (self.x, nw, self.eps, np.int32(d), self.act_d.q, self.act_d.ds, _null()))
+        def norm(nw):            # rmsnorm(x) * nw -> act_d: one block per 1024 values (RMS_NT)
+            rms((-(-d // 1024),), (1024,), (self.x, nw, self.eps, np.int32(d), self.act_d.q, self.act_d.ds,
+                                            _null()))
 
         layers = m.layers
         norm(layers[0].attn_norm)
