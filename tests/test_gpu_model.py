@@ -286,7 +286,7 @@ def _variant_runs(cp, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fa2", "wgmma", "wgmma_qs", "wgmma_ov"])
+@pytest.mark.parametrize("variant", ["fa2", "wgmma"])
 @pytest.mark.parametrize("hd,H,KVH,n,start,big", [
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True), (128, 7, 1, 200, 70, False)])
@@ -366,9 +366,8 @@ def test_default_ubatch(monkeypatch):
 
 
 def test_prefill_variant_rule(monkeypatch):
-    """The production prefill attention: wgmma on sm_90 for head size 128 only, fa2 for other
-    head sizes and GPUs; GGUF_PREFILL_ATTN names a variant (a wgmma one on sm_90 only), an
-    unknown value is a named error."""
+    """The production prefill attention: wgmma on sm_90, fa2 on other GPUs; GGUF_PREFILL_ATTN=fa2
+    forces fa2, =wgmma asks for it (still fa2 off sm_90), an unknown value is a named error."""
     import types
 
     from engine.errors import GGUFError
@@ -380,20 +379,18 @@ def test_prefill_variant_rule(monkeypatch):
 
     monkeypatch.delenv("GGUF_PREFILL_ATTN", raising=False)
     gpu("90")
-    assert prefill_variant(128) == "wgmma" and prefill_variant(64) == "fa2"
+    assert prefill_variant() == "wgmma"
     gpu("89")
-    assert prefill_variant(128) == "fa2"
+    assert prefill_variant() == "fa2"
+    monkeypatch.setenv("GGUF_PREFILL_ATTN", "wgmma")
+    assert prefill_variant() == "fa2"
     gpu("90")
+    assert prefill_variant() == "wgmma"
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "fa2")
-    assert prefill_variant(128) == "fa2"
-    monkeypatch.setenv("GGUF_PREFILL_ATTN", "wgmma_qs")
-    assert prefill_variant(128) == "wgmma_qs" and prefill_variant(64) == "wgmma_qs"
-    gpu("89")
-    assert prefill_variant(64) == "fa2"
-    gpu("90")
+    assert prefill_variant() == "fa2"
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "flash")
     with pytest.raises(GGUFError, match="GGUF_PREFILL_ATTN"):
-        prefill_variant(128)
+        prefill_variant()
 
 
 def test_varlen_tiles_host():

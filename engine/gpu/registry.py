@@ -311,16 +311,9 @@ def attn_prefill_name(head_dim: int, out: str) -> str:
     return f"attn_prefill_h{head_dim}_{out}"
 
 
-ATT_WGMMA_FORMS = ("", "qs", "ov")
-
-
-def attn_wgmma_name(head_dim: int, out: str, form: str = "") -> str:
-    """attention_wgmma.cu's one-sequence entry (Hopper; the arguments of attn_prefill_name's);
-    form (ATT_WGMMA_FORMS): "" Q in registers, "qs" Q read from shared memory through a
-    descriptor, "ov" that and S of the next tile overlapped with the softmax (FA3's)."""
-    if form not in ATT_WGMMA_FORMS:
-        raise ValueError(f"attn_wgmma_name: form {form!r} not one of {ATT_WGMMA_FORMS}")
-    return f"attn_wgmma_{form + '_' if form else ''}h{head_dim}_{out}"
+def attn_wgmma_name(head_dim: int, out: str) -> str:
+    """attention_wgmma.cu's one-sequence entry (Hopper; the arguments of attn_prefill_name's)."""
+    return f"attn_wgmma_h{head_dim}_{out}"
 
 
 def attn_prefill_varlen_name(head_dim: int, out: str) -> str:
@@ -337,7 +330,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "rope.cu": ("qkv_rope",),
     "attention_prefill.cu": tuple(attn_prefill_name(h, o) for h in ATT_PREFILL_HEAD_DIMS for o in ATT_OUTPUTS)
     + tuple(attn_prefill_varlen_name(h, o) for h in ATT_PREFILL_HEAD_DIMS for o in ATT_OUTPUTS),
-    "attention_wgmma.cu": tuple(attn_wgmma_name(h, o, f) for f in ATT_WGMMA_FORMS for h in ATT_PREFILL_HEAD_DIMS
+    "attention_wgmma.cu": tuple(attn_wgmma_name(h, o) for h in ATT_PREFILL_HEAD_DIMS
                                 for o in ATT_OUTPUTS),
     "swiglu.cu": ("swiglu_q8_1", "swiglu_x16"),
     "quantize_q8_1.cu": ("quantize_q8_1",),

@@ -31,13 +31,10 @@ ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 ATT_WGMMA_BQ = 128          # queries per attention_wgmma.cu block (AW_BQ: two warpgroups)
 ATT_WGMMA_THREADS = 256
-ATT_WGMMA_STAGES = 3        # K/V tiles in flight (AW_STAGES)
-ATT_WGMMA_OV_STAGES = 4     # the overlapped form's (AW_OV_STAGES)
+ATT_WGMMA_STAGES = 4        # K/V stages (AW_STAGES)
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
-# any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90; Q from registers),
-# "wgmma_qs" = the same with Q read from shared memory, "wgmma_ov" = wgmma_qs with S of the next
-# tile overlapped with the softmax (FA3's; neither yet measured); prefill_variant chooses
-PREFILL_VARIANTS = ("fa2", "wgmma", "wgmma_qs", "wgmma_ov")
+# any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
+PREFILL_VARIANTS = ("fa2", "wgmma")
 # decode
 ATT_TK = 64                 # keys per attention tile (attention_decode.cu)
 
@@ -50,35 +47,23 @@ def _cupy():
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows,
-    wgmma ATT_WGMMA_STAGES x (K, V) (Q staged through the stages), wgmma_qs those and Q's 128
-    rows, wgmma_ov ATT_WGMMA_OV_STAGES x (K, V) and Q's 128 rows."""
-    tiles = {"fa2": 5, "wgmma": 2 * ATT_WGMMA_STAGES, "wgmma_qs": 2 * ATT_WGMMA_STAGES + 2,
-             "wgmma_ov": 2 * ATT_WGMMA_OV_STAGES + 2}[variant]
+    wgmma ATT_WGMMA_STAGES x (K, V) and Q's 128 rows."""
+    tiles = {"fa2": 5, "wgmma": 2 * ATT_WGMMA_STAGES + 2}[variant]
     return tiles * 64 * head_dim * 2
 
 
-# Head sizes attention_wgmma.cu serves in production. Head size 64 is wrong on the GPU from the
-# second key tile on: ptxas gives the registers of the Q fragments (the S wgmma's A operand, live
-# across the key loop in the PTX) to P and scratch values after the first S (SASS; perf-log
-# Session 16); HD 128's allocation keeps them. The fix to make is Q read from shared memory
-# through a descriptor.
-ATT_WGMMA_HEAD_DIMS = (128,)
-
-
-def prefill_variant(head_dim: int) -> str:
-    """The attention_prefill kernel for this head size: "wgmma" on an sm_90 GPU for the head
-    sizes of ATT_WGMMA_HEAD_DIMS (measured 1.19-1.27x attention_prefill.cu on the H100, outputs
-    bit-identical), "fa2" otherwise. GGUF_PREFILL_ATTN names the variant instead (A/B runs and
-    whole-model tests): fa2 anywhere, a wgmma variant on sm_90 at any instantiated head size."""
+def prefill_variant() -> str:
+    """The attention_prefill kernel: "wgmma" on an sm_90 GPU (measured 1.19-1.38x
+    attention_prefill.cu on the H100 at head size 128, outputs bit-identical), "fa2" otherwise;
+    GGUF_PREFILL_ATTN names the variant instead (A/B runs: fa2 anywhere, wgmma on sm_90 only)."""
     env = os.environ.get("GGUF_PREFILL_ATTN", "").strip()
     if env and env not in PREFILL_VARIANTS:
         raise GGUFError(f"GGUF_PREFILL_ATTN={env!r}: one of {', '.join(PREFILL_VARIANTS)}")
-    if env == "fa2" or (not env and head_dim not in ATT_WGMMA_HEAD_DIMS):
+    if env == "fa2":
         return "fa2"
     import cupy
 
-    hopper = getattr(cupy.cuda.Device(), "compute_capability", "") == "90"
-    return (env or "wgmma") if hopper else "fa2"
+    return "wgmma" if getattr(cupy.cuda.Device(), "compute_capability", "") == "90" else "fa2"
 
 
 def _check_io(op: str, qh, kc, vc, out_act, out_f32, out_x16):
@@ -120,7 +105,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     start_dev (int32 [1] on the device, or None) is added to start in the kernel. variant: one of
     PREFILL_VARIANTS (None: the production choice)."""
     if variant is None:
-        variant = prefill_variant(int(qh.shape[2]))
+        variant = prefill_variant()
     if variant not in PREFILL_VARIANTS:
         raise ValueError(f"attention_prefill: unknown variant {variant!r} ({PREFILL_VARIANTS})")
     H, n, hd, KVH, maxT, out, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, out_x16)
@@ -130,7 +115,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
         return
     smem = attention_smem_bytes(hd, variant)
     if variant.startswith("wgmma"):
-        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out, variant.partition("_")[2]),
+        k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out),
                                dynamic_smem=smem)
         bq, nth = ATT_WGMMA_BQ, ATT_WGMMA_THREADS
     else:
