@@ -86,7 +86,6 @@ __device__ __forceinline__ void attn_wgmma_body(
 #else
     const int wg_last = L - 1;            // emulation: every warpgroup issues every wgmma
 #endif
-    const int wg_nkt = wg_last / AT_BK + 1;           // the warpgroup's tiles (warpgroup-uniform)
 
     const u16* Qh = Q + ((size_t)h * T + row0) * HD;
     const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
@@ -164,6 +163,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     };
     // Mask and softmax of tile kt's S (corr kept); once the pending P V (of tile kt - 1) has
     // landed, o *= corr; P of tile kt packed for its P V.
+    const int wg_nkt = wg_last / AT_BK + 1;           // the warpgroup's tiles (warpgroup-uniform)
     float corr[2];
     auto softmax_pack = [&](float (&s)[8][4], int kt, bool pv_pending) {
         const int k0 = kt * AT_BK;
