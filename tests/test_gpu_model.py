@@ -348,8 +348,6 @@ def _x16_mismatches(cp, out_f32, run):
     return int(np.sum((got != want)[tok < T])) + int(np.sum(got[tok >= T] != 0x7E01))
 
 
-# ----------------------------------------------------------------------------- batched step (varlen)
-
 def test_default_ubatch(monkeypatch):
     """The prompt ubatch: DEFAULT_UBATCH, or GGUF_PREFILL_UBATCH; a bad value is a named error."""
     from engine.errors import GGUFError
@@ -392,6 +390,8 @@ def test_prefill_variant_rule(monkeypatch):
     with pytest.raises(GGUFError, match="GGUF_PREFILL_ATTN"):
         prefill_variant()
 
+
+# ----------------------------------------------------------------------------- batched step (varlen)
 
 def test_varlen_tiles_host():
     """The tiles of a batch: each sequence cut as the one-sequence kernel cuts it, the longest

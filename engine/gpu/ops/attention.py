@@ -53,7 +53,7 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
 
 
 def prefill_variant() -> str:
-    """The attention_prefill kernel: "wgmma" on an sm_90 GPU (measured 1.19-1.38x
+    """The attention_prefill kernel: "wgmma" on an sm_90 GPU (measured 1.23-1.33x
     attention_prefill.cu on the H100 at head size 128, outputs bit-identical), "fa2" otherwise;
     GGUF_PREFILL_ATTN names the variant instead (A/B runs: fa2 anywhere, wgmma on sm_90 only)."""
     env = os.environ.get("GGUF_PREFILL_ATTN", "").strip()
