@@ -6,14 +6,14 @@
 //                              B = the K tile, both read from shared memory by descriptors;
 //   O (64 x HD) += P V:        wgmma.m64n{HD}k16 x 4, A = P from registers (at_pack_p), B = the
 //                              V tile read transposed (MN-major) by the descriptor.
-// A block is two warpgroups (128 queries, 64 each) sharing each K/V tile, so a tile is read from
-// L2 once per 128 queries (attention_prefill.cu: once per 64) and from shared memory once per
+// A block is AW_NWG = 2 warpgroups (128 queries, 64 each) sharing each K/V tile, so a tile is read
+// from L2 once per 128 queries (attention_prefill.cu: once per 64) and from shared memory once per
 // warpgroup (mma.sync: once per warp), and the MMAs run asynchronously to the issuing warps.
 //
 // In / out: as attention_prefill.cu's one-sequence entry (Q f16 [H, n, HD] pre-scaled by
 // log2(e)/sqrt(HD); Kc, Vc f16 [KVH, maxT, HD]; f32, q8_1 or tiled f16 output; query head h reads KV
 // head h / (H / KVH); start = start0 + (*startp if given)).
-// Shared memory: AW_STAGES stages x (K tile, V tile), then Q's two 64-row tiles (one per
+// Shared memory: AW_STAGES stages x (K tile, V tile), then Q's AW_NWG 64-row tiles (one per
 // warpgroup); every tile is 64 rows x HD f16 in the 128-byte swizzled layout that the descriptors
 // read (wgmma_ops.cuh): atom column a (d = 64 a .. 64 a + 63) at a * 8 KB, row r's 128-byte row
 // of it at r * 128, its 16-byte chunk c (d = 64 a + 8 c ..) at chunk c ^ (r % 8) (the hardware's
@@ -35,8 +35,8 @@
 // warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers.
 // Warps whose rows are past the block's queries still take part (a wgmma is warpgroup-wide) and
 // store nothing.
-// Grid (ceil(n / 128), H), q tiles in reverse order (longest first); 256 threads; dynamic smem
-// (AW_STAGES * 2 + 2) * 64 * HD * 2 bytes (160 KB at HD = 128).
+// Grid (ceil(n / AW_BQ), H), q tiles in reverse order (longest first); AW_NTH threads; dynamic
+// smem (AW_STAGES * 2 + AW_NWG) * 64 * HD * 2 bytes (160 KB at HD = 128).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -46,8 +46,11 @@
 #define AW_V_LBO ATOM                     // (atom column), SBO = the next 8 keys (PTX ISA / CUTLASS's
 #define AW_V_SBO 1024                     // canonical MN-major form); defines swap them for checks
 #endif
-#define AW_BQ 128                         // queries per block: two warpgroups of 64
-#define AW_NTH 256
+#ifndef AW_NWG
+#define AW_NWG 2                          // warpgroups per block, 64 queries each (3: an A/B define)
+#endif
+#define AW_BQ (64 * AW_NWG)               // queries per block
+#define AW_NTH (128 * AW_NWG)
 
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_body(

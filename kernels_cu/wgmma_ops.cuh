@@ -17,8 +17,8 @@
 // chunk at address a sits at a ^ (((a >> 7) & 7) << 4) (1 KB aligned patterns of 8 rows x 128 B):
 //   K-major: row n (of 8-row groups SBO apart) holds 64 k in 128 B; a k16 step starts 32 B on;
 //   MN-major: row k (of 8-row groups SBO apart) holds 64 columns n in 128 B, the next 64 at LBO.
-// Under the CPU emulator (GGP_EMU) wgmma_n computes its result at issue, for blocks of one or two
-// warpgroups (128 or 256 threads) whose every thread issues it (a block barrier inside), with
+// Under the CPU emulator (GGP_EMU) wgmma_n computes its result at issue, for blocks of one to three
+// warpgroups (128 to 384 threads) whose every thread issues it (a block barrier inside), with
 // shared addresses as offsets from wg_emu_smem.
 #pragma once
 #include "common.cuh"
@@ -104,7 +104,7 @@ __device__ __forceinline__ void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bd
 
 #else
 static u8* wg_emu_smem = nullptr;           // the block's shared memory (set by the kernel)
-static u32 wg_emu_a[256][4];
+static u32 wg_emu_a[384][4];
 inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
@@ -152,7 +152,7 @@ inline void wg_emu_mma(float (&d)[BN / 2], u64 adesc, u64 bdesc) {
     }
 }
 inline void wg_emu_check() {
-    if ((blockDim.x != 128 && blockDim.x != 256) || blockDim.y != 1 || !wg_emu_smem) std::abort();
+    if (blockDim.x % 128 || blockDim.x > 384 || blockDim.y != 1 || !wg_emu_smem) std::abort();
 }
 template <int BN, int TB = 0, int ACC = 1>
 inline void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {

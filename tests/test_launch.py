@@ -56,3 +56,18 @@ def test_kernel_defines(monkeypatch):
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "X=1;rm")
     with pytest.raises(ValueError, match="GGUF_PREFILL_KERNEL_DEFINES: 'X=1;rm'"):
         kernels.kernel_defines()
+
+
+def test_define_value(monkeypatch):
+    """A launcher's reading of a define: its integer, the default when absent, a named error."""
+    from engine.gpu import kernels
+    from engine.gpu.ops.attention import attention_smem_bytes, wgmma_warpgroups
+
+    monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
+    assert kernels.define_value("AW_NWG", 2) == 2 == wgmma_warpgroups()
+    assert attention_smem_bytes(128, "wgmma") == 160 * 1024
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3")
+    assert wgmma_warpgroups() == 3 and attention_smem_bytes(128, "wgmma") == 176 * 1024
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_NWG=x3")
+    with pytest.raises(ValueError, match="AW_NWG='x3' is not an integer"):
+        wgmma_warpgroups()

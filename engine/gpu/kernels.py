@@ -129,6 +129,19 @@ def kernel_defines() -> tuple[str, ...]:
     return tuple(out)
 
 
+def define_value(name: str, default: int) -> int:
+    """The integer a kernel_defines() entry NAME=VALUE gives a macro, else `default` (launchers
+    whose launch shape follows a compile-time define)."""
+    for opt in kernel_defines():
+        key, _, value = opt[2:].partition("=")
+        if key == name:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"GGUF_PREFILL_KERNEL_DEFINES: {name}={value!r} is not an integer") from None
+    return default
+
+
 _modules: dict[tuple[int, str, str], object] = {}
 _kernels: dict[tuple[int, str, str], object] = {}
 _lowered: dict[tuple[int, str, str], str] = {}     # (device, file, name expression) -> symbol

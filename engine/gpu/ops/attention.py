@@ -29,9 +29,7 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
-ATT_WGMMA_BQ = 128          # queries per attention_wgmma.cu block (AW_BQ: two warpgroups)
-ATT_WGMMA_THREADS = 256
-ATT_WGMMA_STAGES = 4        # K/V stages (AW_STAGES)
+ATT_WGMMA_STAGES = 4        # K/V stages of attention_wgmma.cu (AW_STAGES)
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
 PREFILL_VARIANTS = ("fa2", "wgmma")
@@ -45,10 +43,16 @@ def _cupy():
     return cp
 
 
+def wgmma_warpgroups() -> int:
+    """Warpgroups (64 queries each) of an attention_wgmma.cu block: AW_NWG, 2 unless an A/B run
+    sets it through GGUF_PREFILL_KERNEL_DEFINES."""
+    return kernels.define_value("AW_NWG", 2)
+
+
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows,
-    wgmma ATT_WGMMA_STAGES x (K, V) and Q's 128 rows."""
-    tiles = {"fa2": 5, "wgmma": 2 * ATT_WGMMA_STAGES + 2}[variant]
+    wgmma ATT_WGMMA_STAGES x (K, V) and a 64-row Q tile per warpgroup."""
+    tiles = 5 if variant == "fa2" else 2 * ATT_WGMMA_STAGES + wgmma_warpgroups()
     return tiles * 64 * head_dim * 2
 
 
@@ -117,7 +121,8 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     if variant.startswith("wgmma"):
         k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out),
                                dynamic_smem=smem)
-        bq, nth = ATT_WGMMA_BQ, ATT_WGMMA_THREADS
+        nwg = wgmma_warpgroups()
+        bq, nth = 64 * nwg, 128 * nwg
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
