@@ -35,12 +35,19 @@
 // warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers.
 // Warps whose rows are past the block's queries still take part (a wgmma is warpgroup-wide) and
 // store nothing.
+// A/B defines (GGUF_PREFILL_KERNEL_DEFINES; the launcher follows them): AW_NWG warpgroups per
+// block (2), AW_BK keys per K/V tile (64; 128 makes S m64n128, with AW_STAGES 3 to fit), AW_STAGES.
 // Grid (ceil(n / AW_BQ), H), q tiles in reverse order (longest first); AW_NTH threads; dynamic
-// smem (AW_STAGES * 2 + AW_NWG) * 64 * HD * 2 bytes (160 KB at HD = 128).
+// smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2 bytes (160 KB at HD = 128).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
+#ifndef AW_BK
+#define AW_BK 64                          // keys per K/V tile (128: an A/B define, with AW_STAGES 3)
+#endif
+#ifndef AW_STAGES
 #define AW_STAGES 4                       // K/V stages: tiles kt - 1 (its V) and kt in use, 2 loading
+#endif
 #define AW_AHEAD (AW_STAGES - 2)          // tiles loaded ahead of the one in use
 #ifndef AW_V_LBO                          // V (MN-major, 128-byte swizzle): LBO = the next 64 columns
 #define AW_V_LBO ATOM                     // (atom column), SBO = the next 8 keys (PTX ISA / CUTLASS's
@@ -60,11 +67,16 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr int CH = HD / 8;            // 16-byte chunks per row
     constexpr int KS = HD / 16;           // k16 steps of Q K^T
     constexpr int ROWB = HD * 2;
-    constexpr int TILE = AT_BK * ROWB;    // bytes of one 64-row tile
+    constexpr int NS = AW_BK / 8;         // n8 blocks of S (per warp: rows g, g + 8)
+    constexpr int NP = AW_BK / 16;        // k16 steps of P V
+    constexpr int TILE = AW_BK * ROWB;    // bytes of one K or V tile
+    constexpr int QTILE = 64 * ROWB;      // bytes of one warpgroup's Q tile
     constexpr int STAGE = 2 * TILE;       // K and V
-    constexpr u32 ATOM = AT_BK * 128;     // bytes of one 64-column atom column of a tile
-    constexpr u32 QOFF = AW_STAGES * STAGE;   // the swizzled Q tiles (TILE per warpgroup)
-    static_assert(AT_BK == 64, "64-key tiles");
+    constexpr u32 ATOM = AW_BK * 128;     // bytes of one 64-column atom column of a K / V tile
+    constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
+    constexpr u32 QOFF = AW_STAGES * STAGE;   // the swizzled Q tiles (QTILE per warpgroup)
+    static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
+    static_assert(AW_AHEAD >= 1, "at least one tile loading");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
 
 #ifndef GGP_EMU
@@ -82,7 +94,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     const int g = lane >> 2, tig = lane & 3;
     const int h = blockIdx.y, kvh = h / (H / KVH);
     const int L = pos0 + nq;                          // keys of the tile's last query
-    const int nkt = (L - 1) / AT_BK + 1;
+    const int nkt = (L - 1) / AW_BK + 1;
     const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
 #ifndef GGP_EMU
     const int wg_last = min(pos0 + 64 * wg + 63, L - 1);   // position of the warpgroup's last query
@@ -94,12 +106,12 @@ __device__ __forceinline__ void attn_wgmma_body(
     const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
     const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
 
-    // Byte of the 16-byte chunk ch of row r (< 64) in a swizzled 64-row tile.
-    auto sw = [](int r, int ch) -> u32 { return (ch >> 3) * ATOM + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
-    for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {  // warpgroup w's 64 rows: the tile at QOFF + w TILE
+    // Byte of the 16-byte chunk ch of row r in a swizzled tile whose atom columns are atom bytes.
+    auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
+    for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {  // warpgroup w's 64 rows: the tile at QOFF + w QTILE
         const int row = p / CH, ch = p % CH;
         const bool ok = row < nq;
-        cp_async16(s0 + QOFF + (row >> 6) * TILE + sw(row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
+        cp_async16(s0 + QOFF + (row >> 6) * QTILE + sw(QATOM, row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
                    ok ? 16 : 0);
     }
     // Copy p of a tile: chunk p % CH of key p / CH (a warp reads whole key rows); its 8-chunk
@@ -107,12 +119,12 @@ __device__ __forceinline__ void attn_wgmma_body(
     auto load_kv = [&](int kt) {
         const u32 buf = (kt % AW_STAGES) * STAGE;
 #pragma unroll
-        for (int p = tid; p < AT_BK * CH; p += AW_NTH) {
+        for (int p = tid; p < AW_BK * CH; p += AW_NTH) {
             const int kin = p / CH, ch = p % CH;
-            const int key = kt * AT_BK + kin;
+            const int key = kt * AW_BK + kin;
             const bool ok = key < L;
             const size_t off = (size_t)(ok ? key : 0) * HD + ch * 8;
-            const u32 dst = buf + sw(kin, ch);
+            const u32 dst = buf + sw(ATOM, kin, ch);
             cp_async16(s0 + dst, Kh + off, ok ? 16 : 0);
             cp_async16(s0 + dst + TILE, Vh + off, ok ? 16 : 0);
         }
@@ -133,25 +145,26 @@ __device__ __forceinline__ void attn_wgmma_body(
     const int prow = wfirst + g;                      // rows g and g + 8
 
     // S = Q K^T of tile kt into s (issued and committed; not waited for).
-    auto issue_s = [&](float (&s)[8][4], int kt) {
+    auto issue_s = [&](float (&s)[NS][4], int kt) {
         const u32 kdesc = sbase + (kt % AW_STAGES) * STAGE;
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             const u32 kstep = (kk >> 2) * ATOM + (kk & 3) * 32;   // k16 step kk of a swizzled tile
+            const u32 qstep = (kk >> 2) * QATOM + (kk & 3) * 32;
             const u64 d = wg_desc_sw128(kdesc + kstep, 16, 1024);
-            const u64 a = wg_desc_sw128(sbase + QOFF + wg * TILE + kstep, 16, 1024);
-            float (&sf)[32] = reinterpret_cast<float(&)[32]>(s);
-            if (kk == 0) wgmma_ss_n<64, 0>(sf, a, d);
-            else wgmma_ss_n<64, 1>(sf, a, d);
+            const u64 a = wg_desc_sw128(sbase + QOFF + wg * QTILE + qstep, 16, 1024);
+            float (&sf)[AW_BK / 2] = reinterpret_cast<float(&)[AW_BK / 2]>(s);
+            if (kk == 0) wgmma_ss_n<AW_BK, 0>(sf, a, d);
+            else wgmma_ss_n<AW_BK, 1>(sf, a, d);
         }
         wg_commit();
     };
-    u32 pa[4][4];                                     // P of the tile, the A operand of P V
+    u32 pa[NP][4];                                    // P of the tile, the A operand of P V
     // O += P V of tile kt (issued and committed; not waited for).
     auto issue_pv = [&](int kt) {
         const u32 vdesc = sbase + (kt % AW_STAGES) * STAGE + TILE;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
+        for (int kk = 0; kk < NP; ++kk)
             wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_sw128(vdesc + kk * 2048, AW_V_LBO, AW_V_SBO));
         wg_commit();
     };
@@ -166,40 +179,40 @@ __device__ __forceinline__ void attn_wgmma_body(
     };
     // Mask and softmax of tile kt's S (corr kept); once the pending P V (of tile kt - 1) has
     // landed, o *= corr; P of tile kt packed for its P V.
-    const int wg_nkt = wg_last / AT_BK + 1;           // the warpgroup's tiles (warpgroup-uniform)
+    const int wg_nkt = wg_last / AW_BK + 1;           // the warpgroup's tiles (warpgroup-uniform)
     float corr[2];
-    auto softmax_pack = [&](float (&s)[8][4], int kt, bool pv_pending) {
-        const int k0 = kt * AT_BK;
-        if (k0 + AT_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
+    auto softmax_pack = [&](float (&s)[NS][4], int kt, bool pv_pending) {
+        const int k0 = kt * AW_BK;
+        if (k0 + AW_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
 #pragma unroll
         for (int r = 0; r < 2; ++r) corr[r] = at_softmax_row(s, mrow, lrow, r);
         if (pv_pending) {
             wg_wait<0>();                             // P V of tile kt - 1 landed in o
             wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
-            wg_keep(reinterpret_cast<u32(&)[16]>(pa));    // P's registers live until the wgmmas read them
+            wg_keep(reinterpret_cast<u32(&)[NP * 4]>(pa));    // P's registers live until the wgmmas read them
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) at_pack_p(pa[kk], s, kk);
+        for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
     };
     {
-        float s[8][4];
+        float s[NS][4];
         next_tile(0);
         wg_fence();
         issue_s(s, 0);
         wg_wait<0>();
-        wg_keep(reinterpret_cast<float(&)[32]>(s));   // no read of s above the wait
+        wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));   // no read of s above the wait
         softmax_pack(s, 0, false);
     }
     for (int kt = 1; kt < wg_nkt; ++kt) {
-        float s[8][4];
+        float s[NS][4];
         next_tile(kt);
         wg_fence();
         issue_s(s, kt);
         issue_pv(kt - 1);
         wg_wait<1>();                                 // S landed (groups complete in order)
-        wg_keep(reinterpret_cast<float(&)[32]>(s));
+        wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));
         softmax_pack(s, kt, true);
     }
     wg_fence();

@@ -86,16 +86,28 @@ __device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u
                      : WG_A4);
     }
 }
-// D[64 x 64] (+)= A[64 x 16] . B[16 x 64], A too from shared memory (K-major, descriptor adesc).
+// D[64 x BN] (+)= A[64 x 16] . B[16 x BN], A too from shared memory (K-major, descriptor adesc).
 template <int BN, int ACC = 1>
 __device__ __forceinline__ void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bdesc) {
-    static_assert(BN == 64, "BN: 64");
-    asm volatile(WG_PRED(34) WG_MMA(64)
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7)
-                 : "l"(adesc), "l"(bdesc), "n"(ACC));
+    static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
+    if constexpr (BN == 64) {
+        asm volatile(WG_PRED(34) WG_MMA(64)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7)
+                     : "l"(adesc), "l"(bdesc), "n"(ACC));
+    } else {
+        asm volatile(WG_PRED(66) WG_MMA(128)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
+                       WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+                     : "l"(adesc), "l"(bdesc), "n"(ACC));
+    }
 }
 #undef WG_D4
 #undef WG_A4

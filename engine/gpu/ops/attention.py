@@ -29,7 +29,6 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
-ATT_WGMMA_STAGES = 4        # K/V stages of attention_wgmma.cu (AW_STAGES)
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
 PREFILL_VARIANTS = ("fa2", "wgmma")
@@ -50,10 +49,14 @@ def wgmma_warpgroups() -> int:
 
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
-    """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows,
-    wgmma ATT_WGMMA_STAGES x (K, V) and a 64-row Q tile per warpgroup."""
-    tiles = 5 if variant == "fa2" else 2 * ATT_WGMMA_STAGES + wgmma_warpgroups()
-    return tiles * 64 * head_dim * 2
+    """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
+    wgmma AW_STAGES (4) x (K, V) tiles of AW_BK (64) keys and a 64-row Q tile per warpgroup (the
+    defines of an A/B run through GGUF_PREFILL_KERNEL_DEFINES)."""
+    if variant == "fa2":
+        rows = 5 * 64
+    else:
+        rows = 2 * kernels.define_value("AW_STAGES", 4) * kernels.define_value("AW_BK", 64) + 64 * wgmma_warpgroups()
+    return rows * head_dim * 2
 
 
 def prefill_variant() -> str:
