@@ -53,6 +53,8 @@ def test_kernel_defines(monkeypatch):
     assert kernels.kernel_defines() == ()
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 GGP_FLAG")
     assert kernels.kernel_defines() == ("-DMMVQ_UNROLL=4", "-DGGP_FLAG")
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_BK=128,AW_STAGES=3")
+    assert kernels.kernel_defines() == ("-DAW_BK=128", "-DAW_STAGES=3")
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "X=1;rm")
     with pytest.raises(ValueError, match="GGUF_PREFILL_KERNEL_DEFINES: 'X=1;rm'"):
         kernels.kernel_defines()

@@ -118,11 +118,14 @@ def _inline(path: Path, out: list[str], seen: set[str]) -> None:
 # ----------------------------------------------------------------------------- run time
 
 def kernel_defines() -> tuple[str, ...]:
-    """GGUF_PREFILL_KERNEL_DEFINES="NAME=VALUE ..." -> NVRTC -D options: compile-time variants
-    of a kernel measured side by side in one device call (gpu_check.sh step ab); unset in
-    production. A malformed entry raises ValueError naming it."""
+    """GGUF_PREFILL_KERNEL_DEFINES="NAME=VALUE ..." (spaces or commas between entries: a comma
+    list survives gpu_check.sh's `export`) -> NVRTC -D options: compile-time variants of a kernel
+    measured side by side in one device call (gpu_check.sh step ab); unset in production. A
+    malformed entry raises ValueError naming it."""
     out = []
-    for item in os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", "").split():
+    for item in re.split(r"[\s,]+", os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", "").strip()):
+        if not item:
+            continue
         if not re.fullmatch(r"[A-Za-z_]\w*(=[\w.+-]+)?", item):
             raise ValueError(f"GGUF_PREFILL_KERNEL_DEFINES: {item[:60]!r} is not NAME or NAME=VALUE")
         out.append(f"-D{item}")
