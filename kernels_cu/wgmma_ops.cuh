@@ -60,6 +60,13 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 #define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(ACC), "n"(TB)
 #define WG_MMA(N) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 "
 #define WG_PRED(I) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I ", 0;\n"
+#define WG_D64 WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7), \
+               WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+#define WG_D64_LIST                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
 template <int BN, int TB = 0, int ACC = 1>
 __device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
     static_assert(BN == 32 || BN == 64 || BN == 128, "BN: 32, 64 or 128");
@@ -76,13 +83,9 @@ __device__ __forceinline__ void wgmma_n(float (&d)[BN / 2], const u32 (&a)[4], u
                      : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7) : WG_A4);
     } else {
         asm volatile(WG_PRED(69) WG_MMA(128)
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     WG_D64_LIST
                      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
-                       WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+                     : WG_D64
                      : WG_A4);
     }
 }
@@ -99,13 +102,9 @@ __device__ __forceinline__ void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bd
                      : "l"(adesc), "l"(bdesc), "n"(ACC));
     } else {
         asm volatile(WG_PRED(66) WG_MMA(128)
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     WG_D64_LIST
                      "%64, %65, p, 1, 1, 0, 0;\n}\n"
-                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
-                       WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+                     : WG_D64
                      : "l"(adesc), "l"(bdesc), "n"(ACC));
     }
 }
@@ -113,6 +112,8 @@ __device__ __forceinline__ void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bd
 #undef WG_A4
 #undef WG_MMA
 #undef WG_PRED
+#undef WG_D64_LIST
+#undef WG_D64
 
 #else
 static u8* wg_emu_smem = nullptr;           // the block's shared memory (set by the kernel)
