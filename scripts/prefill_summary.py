@@ -28,7 +28,7 @@ def main(out: str) -> int:
               f"s mismatches {r.get('s_mismatches')}")
     for r in by.get("prefill_attention", []):
         print(f"attention hd={r['hd']} H={r['H']} KVH={r['KVH']} n={r['n']} start={r['start']} big={r['big']}: "
-              f"max err {r['max_err']:.2e} (bound {r['bound']:.2e}), q8 excess {r['q8_excess']:.1e}, s mismatches {r.get('s_mismatches')}")
+              f"max err / bound {r['max_err_over_bound']:.3f}, q8 excess {r['q8_excess']:.1e}, s mismatches {r.get('s_mismatches')}")
     for r in by.get("prefill_resident", []):
         print(f"resident {r['model']}: {r['resident_bytes']} B = {r['ratio']:.4f}x file, load {r['load_seconds']:.2f} s")
     rows = by.get("prefill_model", [])

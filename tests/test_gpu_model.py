@@ -7,9 +7,13 @@ installed in place of cupy): outputs poisoned before each launch, fresh random i
                      bit-identical to quantize_q8_1 of the kernel's own h
     rope             bit-identical to reference.apply_rope (+ bias, * qscale) rounded to f16;
                      cache rows outside start..start+n untouched
-    attention        |o - ref| <= 2^-9 max|V| per element, ref = float64 softmax with P
-                     rounded to f16 (the kernel's only roundings: f16 P, f32 accumulation);
-                     keys past the prompt poisoned with NaN; scores up to ~1e4 stay finite
+    attention        |o - ref| <= max|V| (2^-9 + 8 ln2 sqrt(hd) 2^-24 A) per element, ref = float64
+                     softmax with P rounded to f16; A = the row's largest sum_i |q_i k_i|: the
+                     scores are f32 sums of exact f16 products, off by about sqrt(hd) 2^-24 A
+                     (4 sigma here), and a score and the row max both moving changes p by 2 ln2
+                     times that (the Qwen2-like "big" cases, scores ~1e4, need it: 2^-9 alone
+                     failed 1 emulated run in ~25); keys past the prompt poisoned with NaN;
+                     scores up to ~1e4 stay finite
     swiglu+q8_1      |q d - silu(g) u| <= d/2 (+1e-6 relative), d within 1e-6 relative,
                      s = d * sum(q) exactly
 Batched step (several sequences, rows shuffled, own positions and cache bases in one cache):
@@ -59,7 +63,8 @@ def _report(**kw):
 
 @pytest.fixture
 def rng():
-    seed = int.from_bytes(os.urandom(8), "little")
+    """Fresh inputs each run; GGUF_PREFILL_TEST_SEED=N replays the run that printed `seed N`."""
+    seed = int(os.environ.get("GGUF_PREFILL_TEST_SEED") or int.from_bytes(os.urandom(8), "little"))
     print(f"seed {seed}")
     return np.random.default_rng(seed)
 
@@ -278,6 +283,22 @@ def _attention_inputs(rng, H, KVH, hd, n, start, maxT, big=False):
     return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
 
 
+def _attention_bound(q, k, start: int, vmax: float) -> np.ndarray:
+    """The per-element bound of test_attention_prefill (module docstring) for q f16 [H, n, hd]
+    over k f16 [KVH, >= start + n, hd], laid out as the output [n, H * hd]."""
+    H, n, hd = q.shape
+    G, L = H // k.shape[0], start + n
+    qa = np.abs(q.astype(np.float64))
+    ka = np.abs(np.nan_to_num(k[:, :L].astype(np.float64)))
+    later = np.arange(L)[None, :] > (start + np.arange(n))[:, None]     # masked keys
+    A = np.empty((n, H))
+    for h in range(H):
+        a = qa[h] @ ka[h // G].T
+        a[later] = 0.0
+        A[:, h] = a.max(axis=1)
+    return np.repeat(vmax * (2.0 ** -9 + 8 * math.log(2) * math.sqrt(hd) * 2.0 ** -24 * A), hd, axis=1)
+
+
 def _variant_runs(cp, variant):
     """Skip a prefill attention variant this GPU cannot run (wgmma: sm_90; the emulator runs both)."""
     if variant.startswith("wgmma") and not getattr(cp, "__emulated__", False) \
@@ -292,7 +313,7 @@ def _variant_runs(cp, variant):
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True), (128, 7, 1, 200, 70, False)])
 def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
     """Each prefill attention kernel (attention_prefill.cu mma.sync, attention_wgmma.cu Hopper)
-    against the numpy oracle within 2^-9 max|V|, f32 and q8_1 outputs (module docstring)."""
+    against the numpy oracle within the attention bound, f32 and q8_1 outputs (module docstring)."""
     from engine.gpu import ops
     from engine.reference.numerics import attention_f16 as attention_numpy
 
@@ -310,7 +331,8 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
     ops.attention.attention_prefill(qd, kd, vd, start, out_f32=out, variant=variant)
     o = cp.asnumpy(out)
     vmax = float(np.nanmax(np.abs(v[:, :start + n].astype(np.float32))))
-    err = float(np.max(np.abs(o - ref))) if np.isfinite(o).all() else float("inf")
+    bound = _attention_bound(q, k, start, vmax)
+    err = float(np.max(np.abs(o - ref) / bound)) if np.isfinite(o).all() else float("inf")
     act = _q8(cp, n, H * hd)
     ops.attention.attention_prefill(qd, kd, vd, start, out_act=act, variant=variant)
     gq, gds = cp.asnumpy(act.q), cp.asnumpy(act.ds)
@@ -321,9 +343,9 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
     x16_mism = _x16_mismatches(cp, out, lambda xt: ops.attention.attention_prefill(qd, kd, vd, start, out_x16=xt,
                                                                                     variant=variant))
     _report(test="prefill_attention", variant=variant, hd=hd, H=H, KVH=KVH, n=n, start=start, big=big, emulated=emulated,
-            max_err=err, bound=vmax * 2 ** -9, q8_excess=q8_excess, s_mismatches=sm, x16_mismatches=x16_mism)
+            max_err_over_bound=err, q8_excess=q8_excess, s_mismatches=sm, x16_mismatches=x16_mism)
     assert np.isfinite(o).all()
-    assert err <= vmax * 2 ** -9
+    assert err <= 1.0
     assert q8_excess <= 1e-6 * vmax and sm == 0
     assert x16_mism == 0
 
