@@ -6,7 +6,9 @@
 // mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu).
 #pragma once
 
-#define MMVQ_NW 4
+#ifndef MMVQ_NW
+#define MMVQ_NW 4         // warps (rows) per MMVQ block (2 | 8: A/B defines; the launcher follows)
+#endif
 #ifndef MMVQ_UNROLL
 #define MMVQ_UNROLL 2     // loop iterations (super-block slots) a lane keeps in flight
 #endif

@@ -64,12 +64,15 @@ def test_define_value(monkeypatch):
     """A launcher's reading of a define: its integer, the default when absent, a named error."""
     from engine.gpu import kernels
     from engine.gpu.ops.attention import attention_smem_bytes, wgmma_warpgroups
+    from engine.gpu.ops.mmvq import mmvq_warps
 
     monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
     assert kernels.define_value("AW_NWG", 2) == 2 == wgmma_warpgroups()
     assert attention_smem_bytes(128, "wgmma") == 160 * 1024
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3")
+    assert mmvq_warps() == 4
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3,MMVQ_NW=8")
     assert wgmma_warpgroups() == 3 and attention_smem_bytes(128, "wgmma") == 176 * 1024
+    assert mmvq_warps() == 8
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_NWG=x3")
     with pytest.raises(ValueError, match="AW_NWG='x3' is not an integer"):
         wgmma_warpgroups()

@@ -9,10 +9,15 @@ import numpy as np
 
 from engine.gpu import kernels, registry
 
-MMVQ_NW = 4               # warps per MMVQ block (mmvq_*.cu)
 ROWS_PER_WARP = 1         # mmvq_*.cu instances (perf-log decode run 2; other arms: dev/RETIRED.md)
 KERNEL_FILE = {"q4_k": "mmvq_q4_k.cu", "q6_k": "mmvq_q6_k.cu"}
 MIXED_FILE = "mmvq_mixed.cu"
+
+
+def mmvq_warps() -> int:
+    """Warps (one row each) per MMVQ block: MMVQ_NW, 4 unless an A/B run sets it through
+    GGUF_PREFILL_KERNEL_DEFINES."""
+    return kernels.define_value("MMVQ_NW", 4)
 
 
 def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store") -> None:
@@ -42,13 +47,13 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store")
     grid, _, args = _segments(segs, weights, outs)
     k = kernels.get_kernel(KERNEL_FILE[kind], registry.mmvq_name(kind, mode, padded))
     if grid:
-        k((grid,), (MMVQ_NW * 32,), args + (xq, xds, np.int32(K)))
+        k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(K)))
 
 
 def _segments(segs: Sequence, weights: Sequence, outs: Sequence):
     """(grid, block boundaries (nb1, nb2), the kernels' w0..2, y0..2, n0..2, nb1, nb2 arguments)
     of up to 3 segments: blocks [0, nb1) segment 0, [nb1, nb2) segment 1, [nb2, grid) segment 2."""
-    rpb = MMVQ_NW * ROWS_PER_WARP
+    rpb = mmvq_warps() * ROWS_PER_WARP
     nbs = [-(-int(w.rows) // rpb) for w in segs]
     nb1 = nbs[0]
     nb2 = nb1 + (nbs[1] if len(nbs) > 1 else 0)
@@ -77,4 +82,4 @@ def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds) -> None:
     b6 = (nb1, nb2)[[w.kind for w in weights].count("q4_k") - 1]    # the first q6_K block
     padded = bool(getattr(weights[-1], "padded", False))
     k = kernels.get_kernel(MIXED_FILE, registry.mmvq_mixed_name(padded))
-    k((grid,), (MMVQ_NW * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)))
+    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)))
