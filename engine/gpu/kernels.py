@@ -18,6 +18,7 @@ usage per instance (registers, stack frame, spill bytes).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -122,8 +123,13 @@ def kernel_defines() -> tuple[str, ...]:
     list survives gpu_check.sh's `export`) -> NVRTC -D options: compile-time variants of a kernel
     measured side by side in one device call (gpu_check.sh step ab); unset in production. A
     malformed entry raises ValueError naming it."""
+    return _parse_defines(os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_defines(text: str) -> tuple[str, ...]:
     out = []
-    for item in re.split(r"[\s,]+", os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", "").strip()):
+    for item in re.split(r"[\s,]+", text.strip()):
         if not item:
             continue
         if not re.fullmatch(r"[A-Za-z_]\w*(=[\w.+-]+)?", item):

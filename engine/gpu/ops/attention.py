@@ -29,6 +29,9 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
+# attention_wgmma.cu's block shape in production (its AW_NWG, AW_BK, AW_STAGES defaults); an A/B
+# run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
+ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES = 2, 64, 4
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
 PREFILL_VARIANTS = ("fa2", "wgmma")
@@ -45,17 +48,17 @@ def _cupy():
 def wgmma_warpgroups() -> int:
     """Warpgroups (64 queries each) of an attention_wgmma.cu block: AW_NWG, 2 unless an A/B run
     sets it through GGUF_PREFILL_KERNEL_DEFINES."""
-    return kernels.define_value("AW_NWG", 2)
+    return kernels.define_value("AW_NWG", ATT_WGMMA_NWG)
 
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
-    wgmma AW_STAGES (4) x (K, V) tiles of AW_BK (64) keys and a 64-row Q tile per warpgroup (the
-    defines of an A/B run through GGUF_PREFILL_KERNEL_DEFINES)."""
+    wgmma AW_STAGES x (K, V) tiles of AW_BK keys and a 64-row Q tile per warpgroup."""
     if variant == "fa2":
         rows = 5 * 64
     else:
-        rows = 2 * kernels.define_value("AW_STAGES", 4) * kernels.define_value("AW_BK", 64) + 64 * wgmma_warpgroups()
+        stages = kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
+        rows = 2 * stages * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
     return rows * head_dim * 2
 
 

@@ -9,15 +9,16 @@ import numpy as np
 
 from engine.gpu import kernels, registry
 
+MMVQ_NW = 4               # warps (one row each) per MMVQ block: decode_common.cuh's default
 ROWS_PER_WARP = 1         # mmvq_*.cu instances (perf-log decode run 2; other arms: dev/RETIRED.md)
 KERNEL_FILE = {"q4_k": "mmvq_q4_k.cu", "q6_k": "mmvq_q6_k.cu"}
 MIXED_FILE = "mmvq_mixed.cu"
 
 
 def mmvq_warps() -> int:
-    """Warps (one row each) per MMVQ block: MMVQ_NW, 4 unless an A/B run sets it through
+    """Warps per MMVQ block: MMVQ_NW unless an A/B run sets the define through
     GGUF_PREFILL_KERNEL_DEFINES."""
-    return kernels.define_value("MMVQ_NW", 4)
+    return kernels.define_value("MMVQ_NW", MMVQ_NW)
 
 
 def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store") -> None:
