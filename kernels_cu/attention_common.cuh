@@ -23,7 +23,7 @@
 #define AT_BK 64
 #define AT_NTH 128
 #define AT_NEG_INF __int_as_float(0xff800000)
-#define AT_SMEM_MAX (14 * 64 * 256)         // the largest dynamic smem of the kernels and their A/B defines (emulation)
+#define AT_SMEM_MAX (227 * 1024)            // the most dynamic smem of a block (sm_90), for the emulation
 
 #ifndef GGP_EMU
 typedef u32 saddr;                          // shared-memory address (cvta.to.shared)

@@ -6,7 +6,8 @@
 // their GGP_EMU branches replace the PTX, this header supplies the CUDA built-ins. Each CUDA thread of a block is a fiber (ucontext) on one OS thread;
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
 // __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
-// GPU). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
+// GPU); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when count
+// threads wait at id) and emu_yield() lets the other fibers run (spin waits: mbarriers). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
 // __f*_rn intrinsics are exact; expf/sqrtf are the C library's (not bit-identical to CUDA's).
 // Only what the decode kernels use is here. GGP_EMU is defined for the few PTX-only helpers.
 #pragma once
@@ -53,13 +54,16 @@ using std::min;
 // ---------------------------------------------------------------- fibers
 
 namespace emu {
-enum { RUN = 0, WAIT_BLOCK = 1, WAIT_WARP = 2, DONE = 3 };
+enum { RUN = 0, WAIT_BLOCK = 1, WAIT_WARP = 2, DONE = 3, WAIT_NAMED = 4 };
 struct Fiber {
     ucontext_t ctx;
     dim3 tid;
     int state;
     int warp;
+    int bar;                      // WAIT_NAMED: the barrier id
 };
+static const int NBAR = 16;
+static int g_bar_count[NBAR];     // threads a named barrier waits for (its waiters' count argument)
 static std::vector<Fiber> g_f;
 static std::vector<char> g_stack;
 static const size_t STACK = 192 * 1024;
@@ -85,6 +89,13 @@ dim3 blockIdx, blockDim, gridDim;
 
 inline void __syncthreads() { emu::wait(emu::WAIT_BLOCK); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::WAIT_WARP); }
+inline void emu_bar_sync(int id, int count) {
+    if (id <= 0 || id >= emu::NBAR) std::abort();
+    emu::g_bar_count[id] = count;
+    emu::g_cur->bar = id;
+    emu::wait(emu::WAIT_NAMED);
+}
+inline void emu_yield() { emu::wait(emu::RUN); }
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off) {
@@ -157,6 +168,15 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
                             released = true;
                         }
                     }
+                    for (int b = 1; b < NBAR && !released; ++b) {
+                        unsigned at = 0;
+                        for (unsigned i = 0; i < n; ++i) at += g_f[i].state == WAIT_NAMED && g_f[i].bar == b;
+                        if (at && (int)at == g_bar_count[b]) {
+                            for (unsigned i = 0; i < n; ++i)
+                                if (g_f[i].state == WAIT_NAMED && g_f[i].bar == b) g_f[i].state = RUN;
+                            released = true;
+                        }
+                    }
                     if (!released && at_block == live) {
                         for (unsigned i = 0; i < n; ++i)
                             if (g_f[i].state == WAIT_BLOCK) g_f[i].state = RUN;
@@ -164,7 +184,7 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
                     }
                     if (!ran && !released) {
                         std::fprintf(stderr, "emu_launch: deadlock in block (%u,%u,%u): %u live, %u at "
-                                     "__syncthreads, the rest at a warp barrier\n", x, y, z, live, at_block);
+                                     "__syncthreads, the rest at a warp or named barrier\n", x, y, z, live, at_block);
                         return 2;
                     }
                 }
