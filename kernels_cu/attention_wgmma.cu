@@ -2,9 +2,9 @@
 // 14): attention_prefill.cu's arithmetic (attention_common.cuh: the same mask, online softmax in
 // the exp2 domain, f16 P, f32 accumulation, output store), with both products on wgmma instead of
 // per-warp mma.sync:
-//   S (64 queries x 64 keys) = Q K^T: wgmma.m64n64k16 x HD/16, A = the warpgroup's Q tile and
+//   S (64 queries x 128 keys) = Q K^T: wgmma.m64n128k16 x HD/16, A = the warpgroup's Q tile and
 //                              B = the K tile, both read from shared memory by descriptors;
-//   O (64 x HD) += P V:        wgmma.m64n{HD}k16 x 4, A = P from registers (at_pack_p), B = the
+//   O (64 x HD) += P V:        wgmma.m64n{HD}k16 x 8, A = P from registers (at_pack_p), B = the
 //                              V tile read transposed (MN-major) by the descriptor.
 // A block is AW_NWG = 2 warpgroups (128 queries, 64 each) sharing each K/V tile, so a tile is read
 // from L2 once per 128 queries (attention_prefill.cu: once per 64) and from shared memory once per
@@ -36,17 +36,19 @@
 // Warps whose rows are past the block's queries still take part (a wgmma is warpgroup-wide) and
 // store nothing.
 // A/B defines (GGUF_PREFILL_KERNEL_DEFINES; the launcher follows them): AW_NWG warpgroups per
-// block (2), AW_BK keys per K/V tile (64; 128 makes S m64n128, with AW_STAGES 3 to fit), AW_STAGES.
+// block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3).
+// 128-key tiles halve the barriers, fences and softmax rounds per key (H200, 4096@4096: 1.11x
+// the 64-key form; docs/perf-log.md, Session 18).
 // Grid (ceil(n / AW_BQ), H), q tiles in reverse order (longest first); AW_NTH threads; dynamic
-// smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2 bytes (160 KB at HD = 128).
+// smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2 bytes (224 KB at HD = 128).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
 #ifndef AW_BK
-#define AW_BK 64                          // keys per K/V tile (128: an A/B define, with AW_STAGES 3)
+#define AW_BK 128                         // keys per K/V tile (64: an A/B define, with AW_STAGES 4)
 #endif
 #ifndef AW_STAGES
-#define AW_STAGES 4                       // K/V stages: tiles kt - 1 (its V) and kt in use, 2 loading
+#define AW_STAGES 3                       // K/V stages: tiles kt - 1 (its V) and kt in use, 1 loading
 #endif
 #define AW_AHEAD (AW_STAGES - 2)          // tiles loaded ahead of the one in use
 #ifndef AW_V_LBO                          // V (MN-major, 128-byte swizzle): LBO = the next 64 columns
@@ -96,11 +98,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     const int L = pos0 + nq;                          // keys of the tile's last query
     const int nkt = (L - 1) / AW_BK + 1;
     const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
-#ifndef GGP_EMU
     const int wg_last = min(pos0 + 64 * wg + 63, L - 1);   // position of the warpgroup's last query
-#else
-    const int wg_last = L - 1;            // emulation: every warpgroup issues every wgmma
-#endif
 
     const u16* Qh = Q + ((size_t)h * T + row0) * HD;
     const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;

@@ -31,7 +31,7 @@ ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 # attention_wgmma.cu's block shape in production (its AW_NWG, AW_BK, AW_STAGES defaults); an A/B
 # run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
-ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES = 2, 64, 4
+ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES = 2, 128, 3
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
 PREFILL_VARIANTS = ("fa2", "wgmma")
