@@ -194,6 +194,10 @@ __device__ __forceinline__ void attn_wgmma_body(
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
     };
+    if (64 * wg >= nq) {                              // a warpgroup without queries: the barriers only
+        for (int kt = 0; kt < nkt; ++kt) next_tile(kt);
+        return;
+    }
     {
         float s[NS][4];
         next_tile(0);
