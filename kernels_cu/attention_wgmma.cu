@@ -24,17 +24,17 @@
 // coalesced, and writes whole 128-byte rows: conflict-free), keys past the block's last query
 // zero-filled; then fence.proxy.async and a barrier before the wgmmas read them.
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt's copies,
-// fence, barrier (every warpgroup past its P V of tile kt - 2, whose buffer the copies of tile
-// kt + 2 then reuse: tiles kt - 1 (its V) and kt in use, two loading); then S of tile kt and
+// fence, barrier (every warpgroup past its P V of tile kt - AW_AHEAD, whose buffer the copies of
+// tile kt + AW_AHEAD then reuse: tiles kt - 1 (its V) and kt in use, AW_AHEAD loading); then S of tile kt and
 // P V of tile kt - 1 are issued together; wait for S; mask (tiles crossing a warp's diagonal) and
 // softmax (corr kept) while P V runs; wait for P V; o *= corr; P of tile kt packed. The
 // arithmetic on o is the plain sequence (+= P V, *= corr, ...), so the output bits are those of
 // S, softmax, P V in turn (and of attention_prefill.cu). The first tile and the last P V are
 // peeled: a wgmma under a branch makes ptxas serialize them all (C7520). wg_keep after each wait
 // pins the accumulators (and P) to it, so the compiler moves no use of them above it. A
-// warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers.
-// Warps whose rows are past the block's queries still take part (a wgmma is warpgroup-wide) and
-// store nothing.
+// warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers; a
+// warpgroup without queries joins the barriers only. Warps of a warpgroup with queries whose own
+// rows are past them still take part (a wgmma is warpgroup-wide) and store nothing.
 // A/B defines (GGUF_PREFILL_KERNEL_DEFINES; the launcher follows them): AW_NWG warpgroups per
 // block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3).
 // 128-key tiles halve the barriers, fences and softmax rounds per key (H200, 4096@4096: 1.11x
