@@ -221,8 +221,8 @@ PY
 # Prefill attention kernels side by side (issue 14): dev/attn_bench on the 7B head layouts at long
 # context (ATTN_VARIANTS, default every variant; ATTN_CASES, ATTN_HEADS), TFLOP/s and the largest
 # difference from the first variant's output.
-step_attn() {
-  python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" ${ATTN_VARIANTS:+--variants $ATTN_VARIANTS} \
+step_attn() {    # under a timeout: a hung kernel must not eat the call (Session 18)
+  timeout "${ATTN_TIMEOUT:-120}" python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" ${ATTN_VARIANTS:+--variants $ATTN_VARIANTS} \
       ${ATTN_CASES:+--cases $ATTN_CASES} ${ATTN_HEADS:+--heads $ATTN_HEADS} --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.log"
   return "${PIPESTATUS[0]}"
 }
