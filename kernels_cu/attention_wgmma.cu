@@ -24,17 +24,17 @@
 // coalesced, and writes whole 128-byte rows: conflict-free), keys past the block's last query
 // zero-filled; then fence.proxy.async and a barrier before the wgmmas read them.
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt's copies,
-// fence, barrier (every warpgroup past its P V of tile kt - 2, whose buffer the copies of tile
-// kt + 2 then reuse: tiles kt - 1 (its V) and kt in use, two loading); then S of tile kt and
+// fence, barrier (every warpgroup past its P V of tile kt - AW_AHEAD, whose buffer the copies of
+// tile kt + AW_AHEAD then reuse: tiles kt - 1 (its V) and kt in use, AW_AHEAD loading); then S of tile kt and
 // P V of tile kt - 1 are issued together; wait for S; mask (tiles crossing a warp's diagonal) and
 // softmax (corr kept) while P V runs; wait for P V; o *= corr; P of tile kt packed. The
 // arithmetic on o is the plain sequence (+= P V, *= corr, ...), so the output bits are those of
 // S, softmax, P V in turn (and of attention_prefill.cu). The first tile and the last P V are
 // peeled: a wgmma under a branch makes ptxas serialize them all (C7520). wg_keep after each wait
 // pins the accumulators (and P) to it, so the compiler moves no use of them above it. A
-// warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers.
-// Warps whose rows are past the block's queries still take part (a wgmma is warpgroup-wide) and
-// store nothing.
+// warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers; a
+// warpgroup without queries joins the barriers only. Warps of a warpgroup with queries whose own
+// rows are past them still take part (a wgmma is warpgroup-wide) and store nothing.
 // A/B defines (GGUF_PREFILL_KERNEL_DEFINES; the launcher follows them): AW_NWG warpgroups per
 // block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3).
 // 128-key tiles halve the barriers, fences and softmax rounds per key (H200, 4096@4096: 1.11x
@@ -58,13 +58,8 @@
 #ifndef AW_NWG
 #define AW_NWG 2                          // warpgroups per block, 64 queries each (3: an A/B define)
 #endif
-#ifndef AW_WS
-#define AW_WS 0                           // 1: a producer warpgroup and mbarriers (an A/B define)
-#endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
-#define AW_NTH (128 * (AW_NWG + AW_WS))
-#define AW_PREGS 40                       // AW_WS: registers of a producer thread (setmaxnreg), and
-#define AW_CREGS ((65536 - 128 * AW_PREGS) / (128 * AW_NWG) / 8 * 8)   // of a consumer thread
+#define AW_NTH (128 * AW_NWG)
 
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_body(
@@ -83,7 +78,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
     constexpr u32 QOFF = AW_STAGES * STAGE;   // the swizzled Q tiles (QTILE per warpgroup)
     static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
-    static_assert(AW_WS || AW_AHEAD >= 1, "at least one tile loading");
+    static_assert(AW_AHEAD >= 1, "at least one tile loading");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
 
 #ifndef GGP_EMU
@@ -199,6 +194,10 @@ __device__ __forceinline__ void attn_wgmma_body(
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
     };
+    if (64 * wg >= nq) {                              // a warpgroup without queries: the barriers only
+        for (int kt = 0; kt < nkt; ++kt) next_tile(kt);
+        return;
+    }
     {
         float s[NS][4];
         next_tile(0);
@@ -228,213 +227,6 @@ __device__ __forceinline__ void attn_wgmma_body(
     at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
 }
 
-// AW_WS = 1 (an A/B form): warpgroup AW_NWG of the block is a producer, the others consumers, and
-// no block barrier after the start. Producer warp w (of 4) loads the K/V tiles kt = w, w + 4, ...
-// (cp.async, keys past L zero-filled): it waits for the stage's "empty" mbarrier (every consumer
-// warp past its P V of tile kt - AW_STAGES), copies K then V, and after each lands (its own
-// wait_group) fences (fence.proxy.async: its writes visible to the wgmmas) and arrives on the
-// stage's "K full" / "V full" mbarrier (32 arrivals). So only the producer's fences wait for
-// copies in flight, and up to 4 tiles load at once. The producer warpgroup first loads Q (the
-// "Q full" mbarrier, 128 arrivals) and then gives registers back (setmaxnreg: AW_PREGS, the
-// consumers take AW_CREGS). A consumer warpgroup runs the loop above on the mbarriers: K full of
-// tile kt and V full of tile kt - 1 before S(kt) + P V(kt - 1); each warp arrives on tile kt - 1's
-// empty mbarrier once its P V has landed; past its last tile it waits for each remaining tile's
-// V full and arrives on its empty (its arrival of that phase). mbarriers after the Q tiles:
-// Q full, then per stage K full, V full, empty (8 bytes each).
-template <int HD, int OUT>
-__device__ __forceinline__ void attn_wgmma_ws_body(
-        const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
-        float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
-        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT) {
-    constexpr int CH = HD / 8;
-    constexpr int KS = HD / 16;
-    constexpr int ROWB = HD * 2;
-    constexpr int NS = AW_BK / 8;
-    constexpr int NP = AW_BK / 16;
-    constexpr int TILE = AW_BK * ROWB;
-    constexpr int QTILE = 64 * ROWB;
-    constexpr int STAGE = 2 * TILE;
-    constexpr u32 ATOM = AW_BK * 128;
-    constexpr u32 QATOM = 64 * 128;
-    constexpr u32 QOFF = AW_STAGES * STAGE;
-    constexpr u32 BARS = QOFF + AW_BQ * ROWB;          // the mbarriers
-    static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
-    static_assert(AW_STAGES >= 2, "tiles kt (K) and kt - 1 (V) in use");
-    static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
-
-#ifndef GGP_EMU
-    extern __shared__ __align__(1024) u8 smem[];
-    const u32 sbase = smem_u32(smem);
-#else
-    u8* smem = at_emu_smem;
-    wg_emu_smem = smem;
-    const u32 sbase = 0;
-#endif
-    if (dyn_smem_bytes() < BARS + 8 * (1 + 3 * AW_STAGES) || (sbase & 1023)) __trap();
-    const saddr s0 = smem_u32(smem);
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int g = lane >> 2, tig = lane & 3;
-    const int h = blockIdx.y, kvh = h / (H / KVH);
-    const int L = pos0 + nq;
-    const int nkt = (L - 1) / AW_BK + 1;
-    const u32 bar_q = sbase + BARS;
-    auto bar_k = [&](int kt) -> u32 { return sbase + BARS + 8 + 24 * (kt % AW_STAGES); };
-    auto bar_v = [&](int kt) -> u32 { return bar_k(kt) + 8; };
-    auto bar_e = [&](int kt) -> u32 { return bar_k(kt) + 16; };
-    auto parity = [](int kt) -> u32 { return (kt / AW_STAGES) & 1; };   // of tile kt's phase
-    if (tid == 0) {
-        mbar_init(bar_q, 128);
-        for (int st = 0; st < AW_STAGES; ++st) {
-            mbar_init(bar_k(st), 32);
-            mbar_init(bar_v(st), 32);
-            mbar_init(bar_e(st), 4 * AW_NWG);
-        }
-#ifndef GGP_EMU
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-    }
-    __syncthreads();
-    auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
-
-    if (wg == AW_NWG) {                               // the producer
-        const u16* Qh = Q + ((size_t)h * T + row0) * HD;
-        const u16* Kh = Kc + ((size_t)kvh * maxT + kvbase) * HD;
-        const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
-        const int pt = tid - 128 * AW_NWG;
-        for (int p = pt; p < AW_BQ * CH; p += 128) {
-            const int row = p / CH, ch = p % CH;
-            const bool ok = row < nq;
-            cp_async16(s0 + QOFF + (row >> 6) * QTILE + sw(QATOM, row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
-                       ok ? 16 : 0);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async();
-        mbar_arrive(bar_q);
-        wg_regs_dec<AW_PREGS>();
-        // Warp w loads the tiles of stage w alone (mbarrier waits tell phases apart by parity only,
-        // so no warp may run two phases ahead on a stage's empty mbarrier).
-        for (int kt = pt >> 5; kt < nkt && (pt >> 5) < AW_STAGES; kt += AW_STAGES) {
-            if (kt >= AW_STAGES) mbar_wait(bar_e(kt), parity(kt - AW_STAGES));
-            const u32 buf = (kt % AW_STAGES) * STAGE;
-#pragma unroll 4
-            for (int p = lane; p < AW_BK * CH; p += 32) {
-                const int key = kt * AW_BK + p / CH;
-                cp_async16(s0 + buf + sw(ATOM, p / CH, p % CH), Kh + (size_t)(key < L ? key : 0) * HD + (p % CH) * 8,
-                           key < L ? 16 : 0);
-            }
-            cp_async_commit();
-#pragma unroll 4
-            for (int p = lane; p < AW_BK * CH; p += 32) {
-                const int key = kt * AW_BK + p / CH;
-                cp_async16(s0 + buf + TILE + sw(ATOM, p / CH, p % CH), Vh + (size_t)(key < L ? key : 0) * HD + (p % CH) * 8,
-                           key < L ? 16 : 0);
-            }
-            cp_async_commit();
-            cp_async_wait<1>();
-            fence_proxy_async();
-            mbar_arrive(bar_k(kt));
-            cp_async_wait<0>();
-            fence_proxy_async();
-            mbar_arrive(bar_v(kt));
-        }
-        return;
-    }
-
-    wg_regs_inc<AW_CREGS>();                          // a consumer
-    const bool idle = warp * 16 >= nq;
-    const int wg_last = min(pos0 + 64 * wg + 63, L - 1);
-    const int wg_nkt = wg_last / AW_BK + 1;
-    const int wfirst = pos0 + warp * 16;
-    const int prow = wfirst + g;
-    float o[HD / 8][4], mrow[2], lrow[2];
-    at_init(o, mrow, lrow);
-    auto issue_s = [&](float (&s)[NS][4], int kt) {
-        const u32 kdesc = sbase + (kt % AW_STAGES) * STAGE;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const u32 kstep = (kk >> 2) * ATOM + (kk & 3) * 32;
-            const u32 qstep = (kk >> 2) * QATOM + (kk & 3) * 32;
-            const u64 d = wg_desc_sw128(kdesc + kstep, 16, 1024);
-            const u64 a = wg_desc_sw128(sbase + QOFF + wg * QTILE + qstep, 16, 1024);
-            float (&sf)[AW_BK / 2] = reinterpret_cast<float(&)[AW_BK / 2]>(s);
-            if (kk == 0) wgmma_ss_n<AW_BK, 0>(sf, a, d);
-            else wgmma_ss_n<AW_BK, 1>(sf, a, d);
-        }
-        wg_commit();
-    };
-    u32 pa[NP][4];
-    auto issue_pv = [&](int kt) {
-        const u32 vdesc = sbase + (kt % AW_STAGES) * STAGE + TILE;
-#pragma unroll
-        for (int kk = 0; kk < NP; ++kk)
-            wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_sw128(vdesc + kk * 2048, AW_V_LBO, AW_V_SBO));
-        wg_commit();
-    };
-    auto release = [&](int kt) {                      // this warp is past tile kt's P V
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_e(kt));
-    };
-    float corr[2];
-    auto softmax_pack = [&](float (&s)[NS][4], int kt, bool pv_pending) {
-        const int k0 = kt * AW_BK;
-        if (k0 + AW_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) corr[r] = at_softmax_row(s, mrow, lrow, r);
-        if (pv_pending) {
-            wg_wait<0>();                             // P V of tile kt - 1 landed in o
-            wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
-            wg_keep(reinterpret_cast<u32(&)[NP * 4]>(pa));
-            release(kt - 1);
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
-#pragma unroll
-        for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
-    };
-    mbar_wait(bar_q, 0);
-    {
-        float s[NS][4];
-        mbar_wait(bar_k(0), 0);
-        wg_fence();
-        issue_s(s, 0);
-        wg_wait<0>();
-        wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));
-        softmax_pack(s, 0, false);
-    }
-    for (int kt = 1; kt < wg_nkt; ++kt) {
-        float s[NS][4];
-        mbar_wait(bar_k(kt), parity(kt));
-        mbar_wait(bar_v(kt - 1), parity(kt - 1));
-        wg_fence();
-        issue_s(s, kt);
-        issue_pv(kt - 1);
-        wg_wait<1>();
-        wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));
-        softmax_pack(s, kt, true);
-    }
-    mbar_wait(bar_v(wg_nkt - 1), parity(wg_nkt - 1));
-    wg_fence();
-    issue_pv(wg_nkt - 1);
-    wg_wait<0>();
-    wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
-    release(wg_nkt - 1);
-    for (int kt = wg_nkt; kt < nkt; ++kt) {           // tiles past the warpgroup's queries
-        mbar_wait(bar_v(kt), parity(kt));
-        release(kt);
-    }
-
-    if (idle) return;
-    at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
-}
-
-#if AW_WS
-#define AW_BODY attn_wgmma_ws_body
-#else
-#define AW_BODY attn_wgmma_body
-#endif
-
 #define AW_INSTANCE(NAME, HDV, OUTV)                                                            \
     extern "C" __global__ void __launch_bounds__(AW_NTH, 1)                                     \
     NAME(const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,     \
@@ -442,7 +234,7 @@ __device__ __forceinline__ void attn_wgmma_ws_body(
          int KVH, const int* __restrict__ startp, int start0, int maxT) {                       \
         pdl_entry();                                                                            \
         const int q0 = (gridDim.x - 1 - blockIdx.x) * AW_BQ;                                    \
-        AW_BODY<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),           \
+        attn_wgmma_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),    \
                                    start0 + (startp ? *startp : 0) + q0, 0, maxT);             \
     }
 

@@ -7,7 +7,7 @@
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
 // __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
 // GPU); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when count
-// threads wait at id) and emu_yield() lets the other fibers run (spin waits: mbarriers). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
+// threads wait at id). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
 // __f*_rn intrinsics are exact; expf/sqrtf are the C library's (not bit-identical to CUDA's).
 // Only what the decode kernels use is here. GGP_EMU is defined for the few PTX-only helpers.
 #pragma once
@@ -95,7 +95,6 @@ inline void emu_bar_sync(int id, int count) {
     emu::g_cur->bar = id;
     emu::wait(emu::WAIT_NAMED);
 }
-inline void emu_yield() { emu::wait(emu::RUN); }
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off) {

@@ -31,7 +31,8 @@ ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 # attention_wgmma.cu's block shape in production (its AW_NWG, AW_BK, AW_STAGES defaults); an A/B
 # run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
-ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES, ATT_WGMMA_WS = 2, 128, 3, 0
+ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES = 2, 128, 3
+SMEM_PER_BLOCK_MAX = 227 * 1024    # dynamic shared memory of one block on sm_90
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
 PREFILL_VARIANTS = ("fa2", "wgmma")
@@ -59,8 +60,11 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     else:
         stages = kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
         rows = 2 * stages * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
-        if kernels.define_value("AW_WS", ATT_WGMMA_WS):
-            return rows * head_dim * 2 + 8 * (1 + 3 * stages)    # + the mbarriers
+        if rows * head_dim * 2 > SMEM_PER_BLOCK_MAX:
+            raise ValueError(f"attention_wgmma.cu at head size {head_dim} with GGUF_PREFILL_KERNEL_DEFINES="
+                             f"{os.environ.get('GGUF_PREFILL_KERNEL_DEFINES', '')!r} needs {rows * head_dim * 2 // 1024} "
+                             f"KB of shared memory, over the {SMEM_PER_BLOCK_MAX // 1024} KB of a block")
+    return rows * head_dim * 2
 
 
 def prefill_variant() -> str:
@@ -129,7 +133,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
         k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out),
                                dynamic_smem=smem)
         nwg = wgmma_warpgroups()
-        bq, nth = 64 * nwg, 128 * (nwg + kernels.define_value("AW_WS", ATT_WGMMA_WS))
+        bq, nth = 64 * nwg, 128 * nwg
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
