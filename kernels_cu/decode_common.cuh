@@ -3,7 +3,8 @@
 //
 // q8_1_warp: the q8_1 block of 32 values held one per lane of a warp (engine.quants.quantize_q8_1):
 //   d = amax / 127, q_i = amax == 0 ? 0 : roundf(x_i / d), s = d * sum(q) (integer sum, exact).
-// mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu).
+// mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu; MODE 3 = swiglu too).
+// mmvq_group_q8: MODE 3's tail, the q8_1 of y in the same launch (below).
 #pragma once
 
 #ifndef MMVQ_NW
@@ -42,6 +43,7 @@ __device__ __forceinline__ void q8_1_warp(float x, i8* __restrict__ q, float2* _
 template <int R, int MODE, int NR>
 __device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int row0, int N,
                                               float* __restrict__ Y) {
+    constexpr bool GLU = MODE == 2 || MODE == 3;      // y = silu(gate) * up
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
@@ -49,17 +51,48 @@ __device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int
         for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
     }
     if (active && lane < R && row0 + lane < N) {
-        float v = acc[0], u = (MODE == 2) ? acc[R] : 0.0f;
+        float v = acc[0], u = GLU ? acc[R] : 0.0f;
 #pragma unroll
         for (int i = 1; i < R; ++i) {
             if (lane == i) {
                 v = acc[i];
-                if (MODE == 2) u = acc[R + i];
+                if (GLU) u = acc[R + i];
             }
         }
         const int n = row0 + lane;
         if (MODE == 0) Y[n] = v;
-        else if (MODE == 2) Y[n] = __fmul_rn(silu_ref(v), u);
+        else if (GLU) Y[n] = __fmul_rn(silu_ref(v), u);
         else Y[n] += v;
+    }
+}
+
+// The extra parameters / arguments of a MODE 3 instance (the instance macros take them, empty for
+// the other modes).
+#define MMVQ_Q8_PARAMS , i8* __restrict__ oq, float2* __restrict__ ods, unsigned* __restrict__ tickets
+#define MMVQ_Q8_ARGS , oq, ods, tickets
+
+// MODE 3's tail: the q8_1 blocks of y (the down GEMV's input) written by the launch that makes y,
+// instead of a quantize_row_q8 launch after it. Block blk holds rows RPB blk .. RPB blk + RPB - 1
+// (RPB = MMVQ_NW R rows per block, a divisor of 32), so a 32-row q8_1 group is 32 / RPB blocks.
+// Each block stores its rows (mmvq_epilogue), fences, and takes a ticket of its group; the block
+// that draws the group's last ticket reads the 32 values back past L1 (ld.cg) and writes their
+// q8_1 block with q8_1_warp, the same arithmetic on the same float32 values as quantize_row_q8
+// (the same bits), then puts the ticket count back to 0 for the next launch (a captured step
+// replays it). N must be a multiple of 32 (the launcher checks).
+template <int RPB>
+__device__ __forceinline__ void mmvq_group_q8(const float* __restrict__ Y, int blk, i8* __restrict__ oq,
+                                              float2* __restrict__ ods, unsigned* __restrict__ tickets) {
+    static_assert(32 % RPB == 0, "a q8_1 group is whole blocks");
+    __shared__ int last;
+    const int g = blk * RPB / 32;
+    __threadfence();                                  // this thread's y visible to the group's last block
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(tickets + g, 1u) == 32 / RPB - 1;
+    __syncthreads();
+    if (last && threadIdx.x < 32) {
+        __threadfence();
+        const int k = g * 32 + (int)threadIdx.x;
+        q8_1_warp(__ldcg(Y + k), oq + k, ods + g);
+        if (threadIdx.x == 0) tickets[g] = 0;
     }
 }

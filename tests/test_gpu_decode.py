@@ -189,6 +189,44 @@ def test_mmvq(cp, rng, layout, mode):
     _report(test="decode_mmvq", layout=layout, mode=mode, shapes=len(shapes), worst_err_over_bound=worst)
 
 
+@pytest.mark.parametrize("layout", ["q4_k", "q6_k_pad", "q6_k_raw"])
+def test_mmvq_swiglu_q8_equals_swiglu_then_quantize(cp, rng, layout):
+    """swiglu_q8 (the gate/up GEMV writing the q8_1 of its output through per-group tickets) gives
+    the bits of swiglu followed by quantize_row_q8, leaves its tickets at zero, and a second launch
+    gives the same bits; rows that are no whole q8_1 groups are refused by name."""
+    from engine.gpu import kernels
+    from engine.gpu.ops.mmvq import mmvq_launch
+    from engine.gpu.weights import upload_weight
+
+    kind = layout[:4]
+    ttype = "Q4_K" if kind == "q4_k" else "Q6_K"
+    pad = layout.endswith("pad")
+    qrow = kernels.get_kernel("decode_fused.cu", "quantize_row_q8")
+    for N, K in ((32, 256), (96, 512), (1056, 1536)) if EMU else ((32, 256), (1056, 1536), (11008, 4096)):
+        x = (rng.standard_normal((1, K)) * 10.0 ** rng.uniform(-2, 2)).astype(np.float32)
+        xq, xds = upload_act(cp, *Q.quantize_q8_1(x))
+        dg = upload_weight(rand_rows(rng, kind, N, K), ttype, pad_q6k=pad)
+        du = upload_weight(rand_rows(rng, kind, N, K), ttype, pad_q6k=pad)
+        y_ref = cp.full(N, np.nan, dtype=cp.float32)
+        q_ref, ds_ref = cp.full(N, 127, dtype=cp.int8), cp.full((N // 32, 2), np.nan, dtype=cp.float32)
+        mmvq_launch([dg, du], [y_ref], xq, xds, "swiglu")
+        qrow((-(-N // 256),), (256,), (y_ref, q_ref, ds_ref, np.int32(N // 32)))
+        tickets = cp.zeros(N // 32, dtype=cp.uint32)
+        for _ in range(2):
+            y = cp.full(N, np.nan, dtype=cp.float32)
+            q, ds = cp.full(N, 127, dtype=cp.int8), cp.full((N // 32, 2), np.nan, dtype=cp.float32)
+            mmvq_launch([dg, du], [y], xq, xds, "swiglu_q8", q8_out=(q, ds, tickets))
+            assert (cp.asnumpy(y).view(np.uint32) == cp.asnumpy(y_ref).view(np.uint32)).all()
+            assert (cp.asnumpy(q) == cp.asnumpy(q_ref)).all()
+            assert (cp.asnumpy(ds).view(np.uint32) == cp.asnumpy(ds_ref).view(np.uint32)).all()
+            assert not cp.asnumpy(tickets).any()
+    with pytest.raises(ValueError, match="no whole q8_1 groups"):
+        dg = upload_weight(rand_rows(rng, kind, 40, 256), ttype, pad_q6k=pad)
+        mmvq_launch([dg, dg], [cp.zeros(40, dtype=cp.float32)], xq[:256], xds[:8], "swiglu_q8",
+                    q8_out=(cp.zeros(40, dtype=cp.int8), cp.zeros((1, 2), dtype=cp.float32),
+                            cp.zeros(1, dtype=cp.uint32)))
+
+
 def test_mmvq_segments(cp, rng):
     """q, k, v in one launch: three matrices, three outputs, ragged row counts."""
     from engine.gpu.ops.mmvq import mmvq_launch
@@ -743,8 +781,9 @@ def test_session_steps_match_prefill(cp, rng, tiny_qwen2_path):
 
 def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
     """One decode step launches exactly the production kernels (per layer: the q/k/v GEMVs by
-    layout runs, qkv_post, attention split + combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row,
-    down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
+    layout runs, qkv_post, attention split + combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row
+    (none with GGUF_PREFILL_SWIGLU_Q8=1: swiglu_q8), down add, rmsnorm; then output GEMV +
+    argmax), and bench_decode's tg rows run."""
     from engine.gpu import kernels
     from engine.gpu.decode import DecodeStep, bench_decode, same_launch
     from engine.gpu.ops.mmvq import mixes
@@ -767,8 +806,11 @@ def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
         runs = 1 + (not same_launch(W["attn_q"], W["attn_k"])) + (not same_launch(W["attn_k"], W["attn_v"]))
         if runs == 2 and mixes([W["attn_q"], W["attn_k"], W["attn_v"]]):
             runs = 1                                             # mmvq_mixed: q4_K and q6_K in one launch
-        want += runs + 1 + 2 + 1 + 1 + (1 if same_launch(W["ffn_gate"], W["ffn_up"]) else 3) + 1 + 1 + 1
+        glu = same_launch(W["ffn_gate"], W["ffn_up"])
+        q8_row = 0 if glu and step.ff_tickets is not None else 1   # swiglu_q8 writes the q8_1 row itself
+        want += runs + 1 + 2 + 1 + 1 + (1 if glu else 3) + q8_row + 1 + 1
     assert len(names) == want, names
+    assert ("mmvq_q4_k_swiglu_q8" in names) == (step.ff_tickets is not None)
     assert "mmvq_mixed_pad_store" in names       # the tiny model mixes q4_K and q6_K in some layers
     assert names[-1] == "argmax_step" and not any("addnorm" in n or "_u2" in n or "_r2" in n for n in names)
     ts = bench_decode(model, n_gen=3, depth=2, reps=1)

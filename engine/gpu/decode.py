@@ -34,6 +34,7 @@ attn_norm / ffn_norm / wo / down`, `output_norm`, `output_w`, `rope_tables(n)`) 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
-from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch
+from engine.gpu.ops.mmvq import ROWS_PER_WARP, mixes, mmvq_launch, mmvq_mixed_launch, mmvq_warps
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
 
@@ -102,6 +103,13 @@ class DecodeStep:
         self.act_q = Q8Act(cp.zeros((1, qd), dtype=np.int8), cp.zeros((1, qd // 32, 2), dtype=f32))
         self.act_ff = Q8Act(cp.zeros((1, ff), dtype=np.int8), cp.zeros((1, ff // 32, 2), dtype=f32))
         self.hff = cp.zeros((1, ff), dtype=f32)
+        # GGUF_PREFILL_SWIGLU_Q8=1 (an A/B switch until measured): the gate/up GEMV writes the
+        # q8_1 of its output too (mmvq swiglu_q8; tickets: one per 32-value group), one launch
+        # per layer fewer than swiglu + quantize_row_q8; the same bits
+        self.ff_tickets = None
+        if os.environ.get("GGUF_PREFILL_SWIGLU_Q8", "0").strip() == "1" and ff % 32 == 0 \
+                and 32 % (mmvq_warps() * ROWS_PER_WARP) == 0:
+            self.ff_tickets = cp.zeros(ff // 32, dtype=np.uint32)
         self.ffa = self.ffb = None
         if any(not same_launch(L.roles["ffn_gate"], L.roles["ffn_up"]) for L in model.layers):
             self.ffa = cp.zeros(ff, dtype=f32)
@@ -118,7 +126,8 @@ class DecodeStep:
     def nbytes(self) -> int:
         bufs = (self.io, self.hist, self.x, self.qkv, self.qrot, self.part_o, self.part_ml, self.hff,
                 self.logits, *self.act_d, *self.act_q, *self.act_ff)
-        return int(sum(b.nbytes for b in bufs) + (0 if self.ffa is None else self.ffa.nbytes * 2))
+        return int(sum(b.nbytes for b in bufs) + (0 if self.ffa is None else self.ffa.nbytes * 2)
+                   + (0 if self.ff_tickets is None else self.ff_tickets.nbytes))
 
     # -- the launches of one step (current stream) ------------------------------------------
     def enqueue(self) -> None:
@@ -168,16 +177,21 @@ class DecodeStep:
                              self.act_q.q, self.act_q.ds)
             mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add")
             norm(L.ffn_norm)
-            if same_launch(W["ffn_gate"], W["ffn_up"]):
-                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
+            glu = same_launch(W["ffn_gate"], W["ffn_up"])     # gate and up in one launch
+            if glu and self.ff_tickets is not None:
+                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu_q8",
+                            q8_out=(self.act_ff.q, self.act_ff.ds, self.ff_tickets))
             else:
-                mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
-                mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
-                ff = cfg.d_ff
-                _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
-                                                                               np.int32(ff)))
-            qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
-                                                  np.int32(cfg.d_ff // 32)))
+                if glu:
+                    mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
+                else:
+                    mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
+                    mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
+                    ff = cfg.d_ff
+                    _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
+                                                                                   np.int32(ff)))
+                qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
+                                                      np.int32(cfg.d_ff // 32)))
             mmvq_launch([L.down], [self.x], self.act_ff.q, self.act_ff.ds, "add")
             norm(layers[i + 1].attn_norm if i + 1 < len(layers) else m.output_norm)
         mmvq_launch([m.output_w], [self.logits], self.act_d.q, self.act_d.ds, "store")

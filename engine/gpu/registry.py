@@ -256,7 +256,7 @@ WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS) + ((128,
 
 # ----------------------------------------------------------------------------- decode
 
-MMVQ_MODES = ("store", "add", "swiglu")   # mmvq_*.cu MODE 0, 1, 2
+MMVQ_MODES = ("store", "add", "swiglu", "swiglu_q8")   # mmvq_*.cu MODE 0, 1, 2, 3
 ATTN_HEAD_DIMS = (64, 128)
 ATTN_GROUPS = (1, 2, 4, 6, 7, 8)          # query heads per KV head (GQA)
 KV_DTYPES = ("f16", "f32")

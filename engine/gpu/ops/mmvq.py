@@ -21,22 +21,28 @@ def mmvq_warps() -> int:
     return kernels.define_value("MMVQ_NW", MMVQ_NW)
 
 
-def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store") -> None:
+def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store", q8_out=None) -> None:
     """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
 
-    store:   up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
-    add:     one matrix, outs[0] += W x.
-    swiglu:  weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
+    store:     up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
+    add:       one matrix, outs[0] += W x.
+    swiglu:    weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
+    swiglu_q8: swiglu, and q8_out = (q int8 [N], ds float32 [N/32, 2], tickets uint32 [N/32],
+               zeros before the first launch; each launch leaves them zero) gets the q8_1 of
+               outs[0] in the same launch (the bits of quantize_row_q8).
     """
     w0 = weights[0]
     kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
     for w in weights:
         if w.kind != kind or bool(getattr(w, "padded", False)) != padded or int(w.cols) != K:
             raise ValueError("mmvq: matrices of one launch must share kind, layout and K")
-    if mode == "swiglu":
+    extra: tuple = ()
+    if mode in ("swiglu", "swiglu_q8"):
         if len(weights) != 2 or weights[1].rows != w0.rows:
-            raise ValueError("mmvq swiglu: needs (gate, up) with the same rows")
+            raise ValueError(f"mmvq {mode}: needs (gate, up) with the same rows")
         segs = [w0]
+        if mode == "swiglu_q8":
+            extra = _q8_out_args(q8_out, int(w0.rows))
     elif mode == "add":
         if len(weights) != 1:
             raise ValueError(f"mmvq {mode}: one matrix")
@@ -48,7 +54,21 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store")
     grid, _, args = _segments(segs, weights, outs)
     k = kernels.get_kernel(KERNEL_FILE[kind], registry.mmvq_name(kind, mode, padded))
     if grid:
-        k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(K)))
+        k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(K)) + extra)
+
+
+def _q8_out_args(q8_out, n: int) -> tuple:
+    """The (oq, ods, tickets) arguments of a swiglu_q8 launch with n output rows."""
+    if q8_out is None or len(q8_out) != 3:
+        raise ValueError("mmvq swiglu_q8: q8_out = (q, ds, tickets)")
+    if n % 32 or 32 % (mmvq_warps() * ROWS_PER_WARP):
+        raise ValueError(f"mmvq swiglu_q8: {n} rows are no whole q8_1 groups of whole "
+                         f"{mmvq_warps() * ROWS_PER_WARP}-row blocks")
+    q, ds, tickets = q8_out
+    if q.dtype != np.int8 or q.size != n or ds.dtype != np.float32 or ds.size != n // 16 \
+            or tickets.dtype != np.uint32 or tickets.size != n // 32:
+        raise ValueError(f"mmvq swiglu_q8: q int8 [{n}], ds float32 [{n // 32}, 2], tickets uint32 [{n // 32}]")
+    return q, ds, tickets
 
 
 def _segments(segs: Sequence, weights: Sequence, outs: Sequence):
