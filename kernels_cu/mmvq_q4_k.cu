@@ -26,8 +26,10 @@
 //                  silu(g) = g / (1 + exp(-g)) as in engine/reference.py.
 //   MODE 3 swiglu_q8: MODE 2, then the q8_1 of y_0 into (oq, ods) in the same launch
 //                  (decode_common.cuh mmvq_group_q8; the bits of quantize_row_q8 over y_0).
+//   MODE 4 store_post: MODE 0 into views of one [q | k | v] buffer, then qkv_post's bias + RoPE +
+//                  f16 K/V append in the same launch (decode_common.cuh mmvq_qkv_post).
 // R = 1 row per warp in production (the R loops stay: the rows-per-warp and load-batch arms
-// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu|swiglu_q8}.
+// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu|swiglu_q8|store_post}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -76,7 +78,8 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
     const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
-    i8* __restrict__ oq = nullptr, float2* __restrict__ ods = nullptr, unsigned* __restrict__ tickets = nullptr) {
+    i8* __restrict__ oq = nullptr, float2* __restrict__ ods = nullptr, unsigned* __restrict__ tickets = nullptr,
+    QkvPostArgs post = QkvPostArgs{}) {
     constexpr int NR = (MODE == 2 || MODE == 3) ? 2 * R : R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int blk = blockIdx.x;
@@ -127,6 +130,7 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     }
     mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
     if constexpr (MODE == 3) mmvq_group_q8<MMVQ_NW * R>(Y, blk, oq, ods, tickets);
+    if constexpr (MODE == 4) mmvq_qkv_post<MMVQ_NW * R, true>(Y, blk, post);
 }
 
 // XP / XA: the extra parameters / arguments of a MODE 3 instance (MMVQ_Q8_PARAMS / _ARGS), else empty.
@@ -145,4 +149,5 @@ MMVQ_Q4K_INSTANCE(0, store, , )
 MMVQ_Q4K_INSTANCE(1, add, , )
 MMVQ_Q4K_INSTANCE(2, swiglu, , )
 MMVQ_Q4K_INSTANCE(3, swiglu_q8, MMVQ_Q8_PARAMS, MMVQ_Q8_ARGS)
+MMVQ_Q4K_INSTANCE(4, store_post, MMVQ_POST_PARAMS, MMVQ_POST_ARGS)
 #endif

@@ -18,8 +18,8 @@
 // with 16-bit loads (the parity arm). 16 dp4a per slot against four 16-byte q8 slices.
 //
 // Launch, modes and epilogue exactly as mmvq_q4_k.cu (block = 4 warps, R = 1 row per warp, up
-// to 3 segments; MODE 0 store, 1 add, 2 swiglu, 3 swiglu_q8).
-// Kernel names: mmvq_q6_k_{pad|raw}_{store|add|swiglu|swiglu_q8}.
+// to 3 segments; MODE 0 store, 1 add, 2 swiglu, 3 swiglu_q8, 4 store_post).
+// Kernel names: mmvq_q6_k_{pad|raw}_{store|add|swiglu|swiglu_q8|store_post}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -84,7 +84,8 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
     const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
-    i8* __restrict__ oq = nullptr, float2* __restrict__ ods = nullptr, unsigned* __restrict__ tickets = nullptr) {
+    i8* __restrict__ oq = nullptr, float2* __restrict__ ods = nullptr, unsigned* __restrict__ tickets = nullptr,
+    QkvPostArgs post = QkvPostArgs{}) {
     constexpr int NR = (MODE == 2 || MODE == 3) ? 2 * R : R;
     constexpr int BS = PADDED ? 224 : 210;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -135,6 +136,7 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     }
     mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
     if constexpr (MODE == 3) mmvq_group_q8<MMVQ_NW * R>(Y, blk, oq, ods, tickets);
+    if constexpr (MODE == 4) mmvq_qkv_post<MMVQ_NW * R, true>(Y, blk, post);
 }
 
 // XP / XA: the extra parameters / arguments of a MODE 3 instance (MMVQ_Q8_PARAMS / _ARGS), else empty.
@@ -152,7 +154,8 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 0, store, , )                        \
     MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, add, , )                          \
     MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, swiglu, , )                       \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 3, swiglu_q8, MMVQ_Q8_PARAMS, MMVQ_Q8_ARGS)
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 3, swiglu_q8, MMVQ_Q8_PARAMS, MMVQ_Q8_ARGS)          \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 4, store_post, MMVQ_POST_PARAMS, MMVQ_POST_ARGS)
 
 #ifndef MMVQ_BODIES_ONLY                 // mmvq_mixed.cu takes the body alone
 MMVQ_Q6K_LAYOUT(pad, true)

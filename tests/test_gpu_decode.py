@@ -571,6 +571,60 @@ def test_qkv_post(cp, rng, rope, kv, layout):
     assert np.isnan(kg[others].astype(np.float32)).all() and np.isnan(vg[others].astype(np.float32)).all()
 
 
+@pytest.mark.parametrize("rope", ["normal", "neox"])
+@pytest.mark.parametrize("layouts", [("q4_k",) * 3, ("q4_k", "q4_k", "q6_k_pad"), ("q4_k", "q6_k_raw", "q6_k_raw"),
+                                     ("q6_k_pad",) * 3], ids=lambda v: "-".join(v))
+def test_mmvq_store_post_equals_store_then_qkv_post(cp, rng, rope, layouts):
+    """store_post (the q / k / v GEMVs running qkv_post through per-head tickets; mixed kinds in
+    mmvq_mixed) gives the bits of store + qkv_post_f16: qkv, qrot and the K/V cache row, with and
+    without a bias, twice in a row with the tickets back at zero; other cache rows untouched."""
+    from engine.gpu import kernels
+    from engine.formats.config import ModelConfig
+    from engine.formats.rope import rope_tables
+    from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch, qkv_post_args
+    from engine.gpu.weights import upload_weight
+
+    H, KVH, hd, T, K, p = 4, 2, 64, 12, 512, 9
+    cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 512, 100, 2048, 1e4, rope, 1e-5, True, False)
+    qd, kvd = H * hd, KVH * hd
+    ws = [upload_weight(rand_rows(rng, lay[:4], n, K), "Q4_K" if lay == "q4_k" else "Q6_K", pad_q6k=lay.endswith("pad"))
+          for lay, n in zip(layouts, (qd, kvd, kvd))]
+    x = (rng.standard_normal((1, K)) * 3).astype(np.float32)
+    xq, xds = upload_act(cp, *Q.quantize_q8_1(x))
+    cos, sin = (cp.asarray(t) for t in rope_tables(cfg, np.arange(T)))
+    state = cp.asarray(np.array([0, p, 0, 0], dtype=np.int32))
+    post_k = kernels.get_kernel("decode_fused.cu", "qkv_post_f16")
+    null = np.uint64(0)
+
+    def store(qkv, post=()):
+        outs = [qkv[:qd], qkv[qd:qd + kvd], qkv[qd + kvd:]]
+        if mixes(ws):
+            mmvq_mixed_launch(ws, outs, xq, xds, post=post)
+        elif len({(w.kind, bool(getattr(w, "padded", False))) for w in ws}) == 1:
+            mmvq_launch(ws, outs, xq, xds, "store_post" if post else "store", post=post)
+        else:
+            raise AssertionError("a layout mix this test does not plan")
+
+    for bias in (None, cp.asarray(rng.standard_normal(qd + 2 * kvd).astype(np.float32))):
+        ref = [cp.full(qd + 2 * kvd, np.nan, dtype=cp.float32), cp.full(qd, np.nan, dtype=cp.float32),
+               cp.full((KVH, T, hd), np.nan, dtype=cp.float16), cp.full((KVH, T, hd), np.nan, dtype=cp.float16)]
+        store(ref[0])
+        n = (H + KVH) * hd // 2 + kvd
+        post_k((-(-n // 256),), (256,), (ref[0], null if bias is None else bias, cos, sin, state, ref[1], ref[2],
+                                         ref[3], np.int64(hd), np.int64(T * hd), np.int32(H), np.int32(KVH),
+                                         np.int32(hd), np.int32(rope == "neox")))
+        tickets = cp.zeros(H + 2 * KVH, dtype=cp.uint32)
+        for _ in range(2):
+            got = [cp.full(r.shape, np.nan, dtype=r.dtype) for r in ref]
+            store(got[0], qkv_post_args(got[0], bias, cos, sin, state, got[1], got[2], got[3], hd, T * hd, H, KVH,
+                                        hd, rope == "neox", tickets, null))
+            for g, r in zip(got, ref):
+                gb, rb = cp.asnumpy(g), cp.asnumpy(r)
+                bits = np.uint16 if gb.dtype == np.float16 else np.uint32
+                assert (gb.view(bits) == rb.view(bits)).all()          # NaN rows (untouched) compare by bits too
+            assert not cp.asnumpy(tickets).any()
+
+
 # ----------------------------------------------------------------------------- whole decode
 
 def _gpu_model(path, **kw):
@@ -781,9 +835,9 @@ def test_session_steps_match_prefill(cp, rng, tiny_qwen2_path):
 
 def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
     """One decode step launches exactly the production kernels (per layer: the q/k/v GEMVs by
-    layout runs, qkv_post, attention split + combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row
-    (none with GGUF_PREFILL_SWIGLU_Q8=1: swiglu_q8), down add, rmsnorm; then output GEMV +
-    argmax), and bench_decode's tg rows run."""
+    layout runs, qkv_post (none with GGUF_PREFILL_QKV_POST_FUSED=1: store_post), attention split +
+    combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row (none with GGUF_PREFILL_SWIGLU_Q8=1:
+    swiglu_q8), down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
     from engine.gpu import kernels
     from engine.gpu.decode import DecodeStep, bench_decode, same_launch
     from engine.gpu.ops.mmvq import mixes
@@ -808,10 +862,12 @@ def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
             runs = 1                                             # mmvq_mixed: q4_K and q6_K in one launch
         glu = same_launch(W["ffn_gate"], W["ffn_up"])
         q8_row = 0 if glu and step.ff_tickets is not None else 1   # swiglu_q8 writes the q8_1 row itself
-        want += runs + 1 + 2 + 1 + 1 + (1 if glu else 3) + q8_row + 1 + 1
+        post = 0 if step.head_tickets is not None else 1           # store_post runs qkv_post itself
+        want += runs + post + 2 + 1 + 1 + (1 if glu else 3) + q8_row + 1 + 1
     assert len(names) == want, names
     assert ("mmvq_q4_k_swiglu_q8" in names) == (step.ff_tickets is not None)
-    assert "mmvq_mixed_pad_store" in names       # the tiny model mixes q4_K and q6_K in some layers
+    assert any(n.endswith("store_post") for n in names) == (step.head_tickets is not None)
+    assert any(n.startswith("mmvq_mixed_pad_store") for n in names)   # the tiny model mixes q4_K and q6_K
     assert names[-1] == "argmax_step" and not any("addnorm" in n or "_u2" in n or "_r2" in n for n in names)
     ts = bench_decode(model, n_gen=3, depth=2, reps=1)
     assert len(ts) == 1 and ts[0] > 0

@@ -44,7 +44,7 @@ from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
-from engine.gpu.ops.mmvq import ROWS_PER_WARP, mixes, mmvq_launch, mmvq_mixed_launch, mmvq_warps
+from engine.gpu.ops.mmvq import ROWS_PER_WARP, mixes, mmvq_launch, mmvq_mixed_launch, mmvq_warps, qkv_post_args
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
 
@@ -110,6 +110,12 @@ class DecodeStep:
         if os.environ.get("GGUF_PREFILL_SWIGLU_Q8", "0").strip() == "1" and ff % 32 == 0 \
                 and 32 % (mmvq_warps() * ROWS_PER_WARP) == 0:
             self.ff_tickets = cp.zeros(ff // 32, dtype=np.uint32)
+        # GGUF_PREFILL_QKV_POST_FUSED=1 (an A/B switch until measured): the q / k / v GEMVs run
+        # qkv_post themselves (mmvq store_post; tickets: one per head), one launch per layer fewer
+        self.head_tickets = None
+        if os.environ.get("GGUF_PREFILL_QKV_POST_FUSED", "0").strip() == "1" and cache.dtype == "f16" \
+                and cfg.head_dim % (mmvq_warps() * ROWS_PER_WARP) == 0:
+            self.head_tickets = cp.zeros(cfg.n_heads + 2 * cfg.n_kv_heads, dtype=np.uint32)
         self.ffa = self.ffb = None
         if any(not same_launch(L.roles["ffn_gate"], L.roles["ffn_up"]) for L in model.layers):
             self.ffa = cp.zeros(ff, dtype=f32)
@@ -127,7 +133,7 @@ class DecodeStep:
         bufs = (self.io, self.hist, self.x, self.qkv, self.qrot, self.part_o, self.part_ml, self.hff,
                 self.logits, *self.act_d, *self.act_q, *self.act_ff)
         return int(sum(b.nbytes for b in bufs) + (0 if self.ffa is None else self.ffa.nbytes * 2)
-                   + (0 if self.ff_tickets is None else self.ff_tickets.nbytes))
+                   + sum(0 if t is None else t.nbytes for t in (self.ff_tickets, self.head_tickets)))
 
     # -- the launches of one step (current stream) ------------------------------------------
     def enqueue(self) -> None:
@@ -155,8 +161,12 @@ class DecodeStep:
             # q, k, v: one launch (mmvq_mixed where q4_K and q6_K mix), else one launch per run
             # of matrices that share kind and layout
             qkv_w, qkv_y = [W["attn_q"], W["attn_k"], W["attn_v"]], [q_out, k_out, v_out]
+            kl, vl = cache.k_layer(i), cache.v_layer(i)
+            fused = () if self.head_tickets is None else qkv_post_args(
+                self.qkv, L.qkv_bias, self.rcos, self.rsin, self.state, self.qrot, kl, vl, ts, hs, cfg.n_heads,
+                cfg.n_kv_heads, cfg.head_dim, cfg.rope_type == "neox", self.head_tickets, _null())
             if m.mixed_launch and mixes(qkv_w):
-                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds)
+                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds, post=fused)
             else:
                 groups: list[tuple[list, list]] = []
                 for wt, out in zip(qkv_w, qkv_y):
@@ -166,12 +176,13 @@ class DecodeStep:
                     else:
                         groups.append(([wt], [out]))
                 for ws, outs in groups:
-                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
-            kl, vl = cache.k_layer(i), cache.v_layer(i)
-            post((-(-n_post // 256),), (256,), (
-                self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
-                self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
-                np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
+                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store_post" if fused else "store",
+                                post=fused)
+            if not fused:
+                post((-(-n_post // 256),), (256,), (
+                    self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
+                    self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
+                    np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
             attention_launch(self.qrot, kl, vl, ts, hs, self.state[1:2], cfg.n_heads, cfg.n_kv_heads,
                              cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
                              self.act_q.q, self.act_q.ds)

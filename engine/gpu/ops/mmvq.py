@@ -21,7 +21,8 @@ def mmvq_warps() -> int:
     return kernels.define_value("MMVQ_NW", MMVQ_NW)
 
 
-def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store", q8_out=None) -> None:
+def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store", q8_out=None,
+                post: tuple = ()) -> None:
     """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
 
     store:     up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
@@ -30,6 +31,8 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
     swiglu_q8: swiglu, and q8_out = (q int8 [N], ds float32 [N/32, 2], tickets uint32 [N/32],
                zeros before the first launch; each launch leaves them zero) gets the q8_1 of
                outs[0] in the same launch (the bits of quantize_row_q8).
+    store_post: store into views of one [q | k | v] buffer, then qkv_post's bias + RoPE + f16
+               K/V append in the same launch; post = qkv_post_args(...).
     """
     w0 = weights[0]
     kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
@@ -49,8 +52,12 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
         segs = [w0]
     else:
         if not 1 <= len(weights) <= 3:
-            raise ValueError("mmvq store: 1 to 3 matrices")
+            raise ValueError(f"mmvq {mode}: 1 to 3 matrices")
         segs = list(weights)
+        if mode == "store_post":
+            if not post:
+                raise ValueError("mmvq store_post: post = qkv_post_args(...)")
+            extra = tuple(post)
     grid, _, args = _segments(segs, weights, outs)
     k = kernels.get_kernel(KERNEL_FILE[kind], registry.mmvq_name(kind, mode, padded))
     if grid:
@@ -94,13 +101,33 @@ def mixes(weights: Sequence) -> bool:
             and len({bool(getattr(w, "padded", False)) for w in weights[n4:]}) == 1)
 
 
-def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds) -> None:
+def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds, post: tuple = ()) -> None:
     """store mode over q4_K and q6_K matrices in one launch (mmvq_mixed.cu; `mixes`): outs[i] =
-    W_i x, the same bits as mmvq_launch over each kind's run."""
+    W_i x, the same bits as mmvq_launch over each kind's run; with post (qkv_post_args), the
+    store_post form (mmvq_launch's)."""
     if not mixes(weights) or len(outs) != len(weights):
         raise ValueError("mmvq mixed: 2-3 matrices of one K, q4_K first, then q6_K of one layout, an out each")
     grid, (nb1, nb2), args = _segments(weights, weights, outs)
     b6 = (nb1, nb2)[[w.kind for w in weights].count("q4_k") - 1]    # the first q6_K block
     padded = bool(getattr(weights[-1], "padded", False))
-    k = kernels.get_kernel(MIXED_FILE, registry.mmvq_mixed_name(padded))
-    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)))
+    k = kernels.get_kernel(MIXED_FILE, registry.mmvq_mixed_name(padded, "store_post" if post else "store"))
+    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)) + tuple(post))
+
+
+def qkv_post_args(qkv, bias, rcos, rsin, state, qrot, kc, vc, tok_stride: int, head_stride: int,
+                  n_heads: int, n_kv_heads: int, head_dim: int, neox: bool, tickets, null) -> tuple:
+    """The extra arguments of a store_post launch (decode_fused.cu qkv_post's, then the tickets:
+    uint32 [n_heads + 2 n_kv_heads], zeros before the first launch; each launch leaves them zero).
+    kc / vc: an f16 cache layer. null: the null pointer for a missing bias."""
+    nh = n_heads + 2 * n_kv_heads
+    if head_dim % (mmvq_warps() * ROWS_PER_WARP):
+        raise ValueError(f"mmvq store_post: head size {head_dim} is no whole {mmvq_warps() * ROWS_PER_WARP}-row blocks")
+    if qkv.dtype != np.float32 or qkv.size != nh * head_dim:
+        raise ValueError(f"mmvq store_post: qkv float32 [{nh * head_dim}]")
+    if kc.dtype != np.float16 or vc.dtype != np.float16:
+        raise ValueError("mmvq store_post: an f16 K/V cache")
+    if tickets.dtype != np.uint32 or tickets.size != nh:
+        raise ValueError(f"mmvq store_post: tickets uint32 [{nh}]")
+    return (qkv, null if bias is None else bias, rcos, rsin, state, qrot, kc, vc, np.int64(tok_stride),
+            np.int64(head_stride), np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim), np.int32(bool(neox)),
+            tickets)
