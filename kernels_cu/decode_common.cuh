@@ -165,8 +165,9 @@ struct QkvPostArgs {
     int H, KVH, HD, neox;
     unsigned* tickets;                                // one per head of [q | k | v], zero between launches
 };
+// (qkv without __restrict__: the segments' outputs y0..y2 are views of it; only its address is used)
 #define MMVQ_POST_PARAMS                                                                          \
-    , const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rcos, \
+    , const float* qkv, const float* __restrict__ bias, const float* __restrict__ rcos,           \
     const float* __restrict__ rsin, const int* __restrict__ state, float* __restrict__ qrot,        \
     void* __restrict__ kc, void* __restrict__ vc, long long tok_stride, long long head_stride,      \
     int H, int KVH, int HD, int neox, unsigned* __restrict__ tickets
@@ -177,23 +178,25 @@ struct QkvPostArgs {
 template <int RPB, bool F16>
 __device__ __forceinline__ void mmvq_qkv_post(const float* __restrict__ Y, int blk, QkvPostArgs a) {
     __shared__ int last;
-    const int head = ((int)(Y - a.qkv) + blk * RPB) / a.HD;
+    const int seg = (int)(Y - a.qkv);                 // the segment's first row in [q | k | v]
+    const int head = (seg + blk * RPB) / a.HD;
     __threadfence();                                  // this thread's rows visible to the head's last block
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(a.tickets + head, 1u) == (unsigned)(a.HD / RPB - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int p = __ldg(a.state + 1), half = a.HD >> 1, base = head * a.HD;
+    const int p = __ldg(a.state + 1), half = a.HD >> 1;
+    const float* hy = Y + (head * a.HD - seg);        // the head's rows, read through the pointer that wrote them
     if (head < a.H + a.KVH) {
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
             const int ia = a.neox ? i : 2 * i, ib = a.neox ? i + half : 2 * i + 1;
-            qkv_rope_pair<F16>(__ldcg(a.qkv + base + ia), __ldcg(a.qkv + base + ib), a.bias, a.rcos, a.rsin, p,
-                               a.qrot, a.kc, a.tok_stride, a.head_stride, a.H, a.HD, a.neox, head, i);
+            qkv_rope_pair<F16>(__ldcg(hy + ia), __ldcg(hy + ib), a.bias, a.rcos, a.rsin, p, a.qrot, a.kc,
+                               a.tok_stride, a.head_stride, a.H, a.HD, a.neox, head, i);
         }
     } else {
         for (int e = threadIdx.x; e < a.HD; e += blockDim.x)
-            qkv_v_elem<F16>(__ldcg(a.qkv + base + e), a.bias, p, a.vc, a.tok_stride, a.head_stride, a.H, a.KVH, a.HD,
+            qkv_v_elem<F16>(__ldcg(hy + e), a.bias, p, a.vc, a.tok_stride, a.head_stride, a.H, a.KVH, a.HD,
                             (head - a.H - a.KVH) * a.HD + e);
     }
     if (threadIdx.x == 0) a.tickets[head] = 0;

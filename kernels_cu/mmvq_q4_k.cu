@@ -133,7 +133,8 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     if constexpr (MODE == 4) mmvq_qkv_post<MMVQ_NW * R, true>(Y, blk, post);
 }
 
-// XP / XA: the extra parameters / arguments of a MODE 3 instance (MMVQ_Q8_PARAMS / _ARGS), else empty.
+// XP / XA: the extra parameters / arguments of a MODE 3 or 4 instance (decode_common.cuh
+// MMVQ_Q8_PARAMS / _ARGS, MMVQ_POST_PARAMS / _ARGS), else empty.
 #define MMVQ_Q4K_INSTANCE(MODE, NAME, XP, XA)                                                 \
     extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                \
     mmvq_q4_k_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                    \

@@ -623,6 +623,11 @@ def test_mmvq_store_post_equals_store_then_qkv_post(cp, rng, rope, layouts):
                 bits = np.uint16 if gb.dtype == np.float16 else np.uint32
                 assert (gb.view(bits) == rb.view(bits)).all()          # NaN rows (untouched) compare by bits too
             assert not cp.asnumpy(tickets).any()
+    with pytest.raises(ValueError, match="no run of whole 64-row heads"):
+        elsewhere = cp.zeros(qd + 2 * kvd, dtype=cp.float32)
+        mmvq_launch([ws[0]], [elsewhere[:qd]], xq, xds, "store_post",
+                    post=qkv_post_args(got[0], None, cos, sin, state, got[1], got[2], got[3], hd, T * hd, H, KVH, hd,
+                                       rope == "neox", tickets, null))
 
 
 # ----------------------------------------------------------------------------- whole decode

@@ -55,9 +55,7 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
             raise ValueError(f"mmvq {mode}: 1 to 3 matrices")
         segs = list(weights)
         if mode == "store_post":
-            if not post:
-                raise ValueError("mmvq store_post: post = qkv_post_args(...)")
-            extra = tuple(post)
+            extra = _post_args(outs, post)
     grid, _, args = _segments(segs, weights, outs)
     k = kernels.get_kernel(KERNEL_FILE[kind], registry.mmvq_name(kind, mode, padded))
     if grid:
@@ -110,8 +108,28 @@ def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds, post: tuple = 
     grid, (nb1, nb2), args = _segments(weights, weights, outs)
     b6 = (nb1, nb2)[[w.kind for w in weights].count("q4_k") - 1]    # the first q6_K block
     padded = bool(getattr(weights[-1], "padded", False))
+    extra = _post_args(outs, post) if post else ()
     k = kernels.get_kernel(MIXED_FILE, registry.mmvq_mixed_name(padded, "store_post" if post else "store"))
-    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)) + tuple(post))
+    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)) + extra)
+
+
+def _address(a) -> int:
+    """Device (cupy) or host (the CPU emulator's numpy) address of an array's first element."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(iface["data"][0])
+
+
+def _post_args(outs: Sequence, post: tuple) -> tuple:
+    """post (qkv_post_args) after checking that every output is a run of whole heads of its qkv
+    buffer (the kernel finds a row's head from the output's offset in qkv)."""
+    if not post:
+        raise ValueError("mmvq store_post: post = qkv_post_args(...)")
+    qkv, hd = post[0], int(post[12])
+    for y in outs:
+        off, rem = divmod(_address(y) - _address(qkv), 4)
+        if rem or off < 0 or off % hd or off + y.size > qkv.size or y.dtype != np.float32:
+            raise ValueError(f"mmvq store_post: an output is no run of whole {hd}-row heads of the qkv buffer")
+    return tuple(post)
 
 
 def qkv_post_args(qkv, bias, rcos, rsin, state, qrot, kc, vc, tok_stride: int, head_stride: int,
