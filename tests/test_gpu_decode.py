@@ -596,6 +596,10 @@ def test_mmvq_store_post_equals_store_then_qkv_post(cp, rng, rope, layouts):
     post_k = kernels.get_kernel("decode_fused.cu", "qkv_post_f16")
     null = np.uint64(0)
 
+    def post_args(bufs, bias):          # qkv_post's arguments over (qkv, qrot, kc, vc)
+        return (bufs[0], null if bias is None else bias, cos, sin, state, bufs[1], bufs[2], bufs[3], np.int64(hd),
+                np.int64(T * hd), np.int32(H), np.int32(KVH), np.int32(hd), np.int32(rope == "neox"))
+
     def store(qkv, post=()):
         outs = [qkv[:qd], qkv[qd:qd + kvd], qkv[qd + kvd:]]
         if mixes(ws):
@@ -610,14 +614,11 @@ def test_mmvq_store_post_equals_store_then_qkv_post(cp, rng, rope, layouts):
                cp.full((KVH, T, hd), np.nan, dtype=cp.float16), cp.full((KVH, T, hd), np.nan, dtype=cp.float16)]
         store(ref[0])
         n = (H + KVH) * hd // 2 + kvd
-        post_k((-(-n // 256),), (256,), (ref[0], null if bias is None else bias, cos, sin, state, ref[1], ref[2],
-                                         ref[3], np.int64(hd), np.int64(T * hd), np.int32(H), np.int32(KVH),
-                                         np.int32(hd), np.int32(rope == "neox")))
+        post_k((-(-n // 256),), (256,), post_args(ref, bias))
         tickets = cp.zeros(H + 2 * KVH, dtype=cp.uint32)
         for _ in range(2):
             got = [cp.full(r.shape, np.nan, dtype=r.dtype) for r in ref]
-            store(got[0], qkv_post_args(got[0], bias, cos, sin, state, got[1], got[2], got[3], hd, T * hd, H, KVH,
-                                        hd, rope == "neox", tickets, null))
+            store(got[0], qkv_post_args(post_args(got, bias), tickets))
             for g, r in zip(got, ref):
                 gb, rb = cp.asnumpy(g), cp.asnumpy(r)
                 bits = np.uint16 if gb.dtype == np.float16 else np.uint32
@@ -626,8 +627,7 @@ def test_mmvq_store_post_equals_store_then_qkv_post(cp, rng, rope, layouts):
     with pytest.raises(ValueError, match="no run of whole 64-row heads"):
         elsewhere = cp.zeros(qd + 2 * kvd, dtype=cp.float32)
         mmvq_launch([ws[0]], [elsewhere[:qd]], xq, xds, "store_post",
-                    post=qkv_post_args(got[0], None, cos, sin, state, got[1], got[2], got[3], hd, T * hd, H, KVH, hd,
-                                       rope == "neox", tickets, null))
+                    post=qkv_post_args(post_args(got, None), tickets))
 
 
 # ----------------------------------------------------------------------------- whole decode

@@ -44,7 +44,7 @@ from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
-from engine.gpu.ops.mmvq import ROWS_PER_WARP, mixes, mmvq_launch, mmvq_mixed_launch, mmvq_warps, qkv_post_args
+from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch, qkv_post_args, rows_per_block
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
 
@@ -108,13 +108,13 @@ class DecodeStep:
         # per layer fewer than swiglu + quantize_row_q8; the same bits
         self.ff_tickets = None
         if os.environ.get("GGUF_PREFILL_SWIGLU_Q8", "0").strip() == "1" and ff % 32 == 0 \
-                and 32 % (mmvq_warps() * ROWS_PER_WARP) == 0:
+                and 32 % rows_per_block() == 0:
             self.ff_tickets = cp.zeros(ff // 32, dtype=np.uint32)
         # GGUF_PREFILL_QKV_POST_FUSED=1 (an A/B switch until measured): the q / k / v GEMVs run
         # qkv_post themselves (mmvq store_post; tickets: one per head), one launch per layer fewer
         self.head_tickets = None
         if os.environ.get("GGUF_PREFILL_QKV_POST_FUSED", "0").strip() == "1" and cache.dtype == "f16" \
-                and cfg.head_dim % (mmvq_warps() * ROWS_PER_WARP) == 0:
+                and cfg.head_dim % rows_per_block() == 0:
             self.head_tickets = cp.zeros(cfg.n_heads + 2 * cfg.n_kv_heads, dtype=np.uint32)
         self.ffa = self.ffb = None
         if any(not same_launch(L.roles["ffn_gate"], L.roles["ffn_up"]) for L in model.layers):
@@ -162,9 +162,10 @@ class DecodeStep:
             # of matrices that share kind and layout
             qkv_w, qkv_y = [W["attn_q"], W["attn_k"], W["attn_v"]], [q_out, k_out, v_out]
             kl, vl = cache.k_layer(i), cache.v_layer(i)
-            fused = () if self.head_tickets is None else qkv_post_args(
-                self.qkv, L.qkv_bias, self.rcos, self.rsin, self.state, self.qrot, kl, vl, ts, hs, cfg.n_heads,
-                cfg.n_kv_heads, cfg.head_dim, cfg.rope_type == "neox", self.head_tickets, _null())
+            post_args = (self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
+                         self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
+                         np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox"))
+            fused = () if self.head_tickets is None else qkv_post_args(post_args, self.head_tickets)
             if m.mixed_launch and mixes(qkv_w):
                 mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds, post=fused)
             else:
@@ -179,10 +180,7 @@ class DecodeStep:
                     mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store_post" if fused else "store",
                                 post=fused)
             if not fused:
-                post((-(-n_post // 256),), (256,), (
-                    self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
-                    self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
-                    np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
+                post((-(-n_post // 256),), (256,), post_args)
             attention_launch(self.qrot, kl, vl, ts, hs, self.state[1:2], cfg.n_heads, cfg.n_kv_heads,
                              cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
                              self.act_q.q, self.act_q.ds)

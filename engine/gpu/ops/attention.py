@@ -129,7 +129,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     if n == 0:
         return
     smem = attention_smem_bytes(hd, variant)
-    if variant.startswith("wgmma"):
+    if variant == "wgmma":
         k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out),
                                dynamic_smem=smem)
         nwg = wgmma_warpgroups()

@@ -21,6 +21,12 @@ def mmvq_warps() -> int:
     return kernels.define_value("MMVQ_NW", MMVQ_NW)
 
 
+def rows_per_block() -> int:
+    """Output rows of one MMVQ block (the tails of swiglu_q8 / store_post need whole blocks per
+    q8_1 group / head)."""
+    return mmvq_warps() * ROWS_PER_WARP
+
+
 def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store", q8_out=None,
                 post: tuple = ()) -> None:
     """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
@@ -66,9 +72,9 @@ def _q8_out_args(q8_out, n: int) -> tuple:
     """The (oq, ods, tickets) arguments of a swiglu_q8 launch with n output rows."""
     if q8_out is None or len(q8_out) != 3:
         raise ValueError("mmvq swiglu_q8: q8_out = (q, ds, tickets)")
-    if n % 32 or 32 % (mmvq_warps() * ROWS_PER_WARP):
+    if n % 32 or 32 % rows_per_block():
         raise ValueError(f"mmvq swiglu_q8: {n} rows are no whole q8_1 groups of whole "
-                         f"{mmvq_warps() * ROWS_PER_WARP}-row blocks")
+                         f"{rows_per_block()}-row blocks")
     q, ds, tickets = q8_out
     if q.dtype != np.int8 or q.size != n or ds.dtype != np.float32 or ds.size != n // 16 \
             or tickets.dtype != np.uint32 or tickets.size != n // 32:
@@ -79,7 +85,7 @@ def _q8_out_args(q8_out, n: int) -> tuple:
 def _segments(segs: Sequence, weights: Sequence, outs: Sequence):
     """(grid, block boundaries (nb1, nb2), the kernels' w0..2, y0..2, n0..2, nb1, nb2 arguments)
     of up to 3 segments: blocks [0, nb1) segment 0, [nb1, nb2) segment 1, [nb2, grid) segment 2."""
-    rpb = mmvq_warps() * ROWS_PER_WARP
+    rpb = rows_per_block()
     nbs = [-(-int(w.rows) // rpb) for w in segs]
     nb1 = nbs[0]
     nb2 = nb1 + (nbs[1] if len(nbs) > 1 else 0)
@@ -132,20 +138,20 @@ def _post_args(outs: Sequence, post: tuple) -> tuple:
     return tuple(post)
 
 
-def qkv_post_args(qkv, bias, rcos, rsin, state, qrot, kc, vc, tok_stride: int, head_stride: int,
-                  n_heads: int, n_kv_heads: int, head_dim: int, neox: bool, tickets, null) -> tuple:
-    """The extra arguments of a store_post launch (decode_fused.cu qkv_post's, then the tickets:
-    uint32 [n_heads + 2 n_kv_heads], zeros before the first launch; each launch leaves them zero).
-    kc / vc: an f16 cache layer. null: the null pointer for a missing bias."""
-    nh = n_heads + 2 * n_kv_heads
-    if head_dim % (mmvq_warps() * ROWS_PER_WARP):
-        raise ValueError(f"mmvq store_post: head size {head_dim} is no whole {mmvq_warps() * ROWS_PER_WARP}-row blocks")
+def qkv_post_args(qkv_post: tuple, tickets) -> tuple:
+    """The extra arguments of a store_post launch: decode_fused.cu qkv_post's arguments (qkv,
+    bias or null, rcos, rsin, state, qrot, kc, vc, tok_stride, head_stride, H, KVH, HD, neox;
+    kc / vc an f16 cache layer), then the tickets (uint32 [H + 2 KVH], zeros before the first
+    launch; each launch leaves them zero)."""
+    qkv, kc, vc = qkv_post[0], qkv_post[6], qkv_post[7]
+    H, KVH, head_dim = (int(v) for v in qkv_post[10:13])
+    nh = H + 2 * KVH
+    if head_dim % rows_per_block():
+        raise ValueError(f"mmvq store_post: head size {head_dim} is no whole {rows_per_block()}-row blocks")
     if qkv.dtype != np.float32 or qkv.size != nh * head_dim:
         raise ValueError(f"mmvq store_post: qkv float32 [{nh * head_dim}]")
     if kc.dtype != np.float16 or vc.dtype != np.float16:
         raise ValueError("mmvq store_post: an f16 K/V cache")
     if tickets.dtype != np.uint32 or tickets.size != nh:
         raise ValueError(f"mmvq store_post: tickets uint32 [{nh}]")
-    return (qkv, null if bias is None else bias, rcos, rsin, state, qrot, kc, vc, np.int64(tok_stride),
-            np.int64(head_stride), np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim), np.int32(bool(neox)),
-            tickets)
+    return tuple(qkv_post) + (tickets,)
