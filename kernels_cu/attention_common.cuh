@@ -24,6 +24,23 @@
 #define AT_NTH 128
 #define AT_NEG_INF __int_as_float(0xff800000)
 #define AT_SMEM_MAX (227 * 1024)            // the most dynamic smem of a block (sm_90), for the emulation
+// Grid of the prefill / varlen entries: (H, query tiles), heads the fast index, so the hardware
+// hands out blocks in decreasing key count over all heads (the tiles are numbered longest
+// first): greedy list scheduling of the longest first leaves a short wave tail, where (tiles, H)
+// repeated long .. short once per head. The heads of one KV group also run side by side (K/V from
+// L2). AT_HEADS_FAST=0 (an A/B define; ops.attention follows it) gives the old (tiles, H) grid.
+#ifndef AT_HEADS_FAST
+#define AT_HEADS_FAST 1
+#endif
+#if AT_HEADS_FAST
+#define AT_HEAD blockIdx.x
+#define AT_TILE blockIdx.y
+#define AT_NTILES gridDim.y
+#else
+#define AT_HEAD blockIdx.y
+#define AT_TILE blockIdx.x
+#define AT_NTILES gridDim.x
+#endif
 
 #ifndef GGP_EMU
 typedef u32 saddr;                          // shared-memory address (cvta.to.shared)

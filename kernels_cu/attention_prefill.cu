@@ -34,15 +34,15 @@
 //   attn_prefill_h{HD}_{f32,q8}: one sequence, the ubatch's n queries at positions start..,
 //     keys at cache rows 0..; start = start0 + (startp ? *startp : 0): startp, the position
 //     read on the device (one CUDA graph of the prefill serves every position,
-//     engine/gpu/prefill_graph.py). Grid (ceil(n/64), H), q tiles in reverse order (longest
+//     engine/gpu/prefill_graph.py). Grid (H, ceil(n/64)), q tiles in reverse order (longest
 //     first): tile i = queries 64 i .. min(64 i + 64, n) - 1.
 //   attn_prefill_varlen_h{HD}_{f32,q8}: a batched step mixing sequences; Q [H, T, HD], O/Oq/Ods
-//     [T, ...]; tiles int4 [gridDim.x] = {row0, nq, pos0, kvbase}, one per block: query rows
+//     [T, ...]; tiles int4 [gridDim.y] = {row0, nq, pos0, kvbase}, one per block: query rows
 //     row0..row0+nq-1 of one sequence at positions pos0..pos0+nq-1, whose key p lives at cache
 //     row kvbase + p (sequences occupy disjoint row ranges); nq == 0: the block returns at once
 //     (padding, so that a CUDA graph keeps a fixed grid); 1 <= nq <= 64 otherwise (more: trap).
 //     engine.gpu.ops.attention.varlen_tiles cuts sequences into the one-sequence kernel's tiles.
-// Grid (tiles, H); 128 threads; dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
+// Grid (H, tiles) (attention_common.cuh: AT_HEADS_FAST); 128 threads; dynamic smem 5 * 64 * HD * 2 bytes (Q, 2 x K, 2 x V).
 #include "attention_common.cuh"
 
 template <int HD, int OUT>
@@ -50,7 +50,7 @@ __device__ __forceinline__ void attn_prefill_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
         int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT) {
-    // T: rows of Q [H, T, HD] and of the outputs; this block: query head blockIdx.y, queries
+    // T: rows of Q [H, T, HD] and of the outputs; this block: query head AT_HEAD, queries
     // row0 .. row0+nq-1 (1 <= nq <= AT_BQ) at positions pos0 .. pos0+nq-1 over keys
     // 0 .. pos0+nq-1 at cache rows kvbase .. of each KV head plane
     constexpr int CH = HD / 8;            // 16-byte chunks per row
@@ -72,7 +72,7 @@ __device__ __forceinline__ void attn_prefill_body(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int h = blockIdx.y, kvh = h / (H / KVH);
+    const int h = AT_HEAD, kvh = h / (H / KVH);
     const int L = pos0 + nq;                          // keys of the tile's last query
     const int nkt = (L - 1) / AT_BK + 1;
     const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
@@ -156,7 +156,7 @@ __device__ __forceinline__ void attn_prefill_body(
                                 i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
                                 int KVH, const int* __restrict__ startp, int start0, int maxT) { \
         pdl_entry();                                                                            \
-        const int q0 = (gridDim.x - 1 - blockIdx.x) * AT_BQ;                                    \
+        const int q0 = (AT_NTILES - 1 - AT_TILE) * AT_BQ;                                       \
         attn_prefill_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AT_BQ, n - q0),  \
                                     start0 + (startp ? *startp : 0) + q0, 0, maxT);            \
     }                                                                                           \
@@ -167,7 +167,7 @@ __device__ __forceinline__ void attn_prefill_body(
                                        const int4* __restrict__ tiles, int T, int H, int KVH,   \
                                        int maxT) {                                              \
         pdl_entry();                                                                            \
-        const int4 tl = tiles[blockIdx.x];                                                      \
+        const int4 tl = tiles[AT_TILE];                                                         \
         if (tl.y <= 0) return;                                                                  \
         if (tl.y > AT_BQ) __trap();                                                             \
         attn_prefill_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, T, H, KVH, tl.x, tl.y, tl.z, tl.w,   \

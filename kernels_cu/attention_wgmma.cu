@@ -39,8 +39,9 @@
 // block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3).
 // 128-key tiles halve the barriers, fences and softmax rounds per key (H200, 4096@4096: 1.11x
 // the 64-key form; docs/perf-log.md, Session 18).
-// Grid (ceil(n / AW_BQ), H), q tiles in reverse order (longest first); AW_NTH threads; dynamic
-// smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2 bytes (224 KB at HD = 128).
+// Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEADS_FAST), q tiles in reverse order
+// (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
+// bytes (224 KB at HD = 128).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -94,7 +95,7 @@ __device__ __forceinline__ void attn_wgmma_body(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int g = lane >> 2, tig = lane & 3;
-    const int h = blockIdx.y, kvh = h / (H / KVH);
+    const int h = AT_HEAD, kvh = h / (H / KVH);
     const int L = pos0 + nq;                          // keys of the tile's last query
     const int nkt = (L - 1) / AW_BK + 1;
     const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
@@ -233,7 +234,7 @@ __device__ __forceinline__ void attn_wgmma_body(
          float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
          int KVH, const int* __restrict__ startp, int start0, int maxT) {                       \
         pdl_entry();                                                                            \
-        const int q0 = (gridDim.x - 1 - blockIdx.x) * AW_BQ;                                    \
+        const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;                                       \
         attn_wgmma_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),    \
                                    start0 + (startp ? *startp : 0) + q0, 0, maxT);             \
     }

@@ -67,6 +67,13 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     return rows * head_dim * 2
 
 
+def prefill_grid(n_tiles: int, heads: int) -> tuple[int, int]:
+    """Grid of a prefill / varlen attention launch: (heads, tiles), so blocks go out longest
+    first over all heads (attention_common.cuh's AT_HEADS_FAST); (tiles, heads) when an A/B run
+    sets AT_HEADS_FAST=0."""
+    return (heads, n_tiles) if kernels.define_value("AT_HEADS_FAST", 1) else (n_tiles, heads)
+
+
 def prefill_variant() -> str:
     """The attention_prefill kernel: "wgmma" on an sm_90 GPU (measured 1.23-1.33x
     attention_prefill.cu on the H100 at head size 128, outputs bit-identical), "fa2" otherwise;
@@ -137,7 +144,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
-    k(((n + bq - 1) // bq, H), (nth,),
+    k(prefill_grid((n + bq - 1) // bq, H), (nth,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
 
@@ -242,7 +249,7 @@ def attention_varlen(qh, kc, vc, tiles_dev, out_act=None, out_f32=None, decode: 
     if n_tiles:
         smem = attention_smem_bytes(hd)
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_varlen_name(hd, out), dynamic_smem=smem)
-        k((n_tiles, H), (ATT_THREADS,),
+        k(prefill_grid(n_tiles, H), (ATT_THREADS,),
           (qh, kc, vc, o, oq, ods, tiles_dev, np.int32(T), np.int32(H), np.int32(KVH), np.int32(maxT)),
           shared_mem=smem)
     if decode is None:
