@@ -166,28 +166,31 @@ __device__ __forceinline__ void attn_wgmma_body(
     const int wfirst = pos0 + warp * 16;              // position of the warp's first query
     const int prow = wfirst + g;                      // rows g and g + 8
 
+    // Descriptors: encoded once (the warpgroup's Q tile, stage 0's K and V tiles); a k16 step or a
+    // stage is then one add to the start field (wg_desc_add), not a mask-shift-or per wgmma.
+    const u64 qdesc = wg_desc_sw128(sbase + QOFF + wg * QTILE, 16, 1024);
+    const u64 kdesc0 = wg_desc_sw128(sbase, 16, 1024);
+    const u64 vdesc0 = wg_desc_sw128(sbase + TILE, AW_V_LBO, AW_V_SBO);
     // S = Q K^T of tile kt into s (issued and committed; not waited for).
     auto issue_s = [&](float (&s)[NS][4], int kt) {
-        const u32 kdesc = sbase + (kt % AW_STAGES) * STAGE;
+        const u64 kdesc = wg_desc_add(kdesc0, (kt % AW_STAGES) * STAGE);
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             const u32 kstep = (kk >> 2) * ATOM + (kk & 3) * 32;   // k16 step kk of a swizzled tile
             const u32 qstep = (kk >> 2) * QATOM + (kk & 3) * 32;
-            const u64 d = wg_desc_sw128(kdesc + kstep, 16, 1024);
-            const u64 a = wg_desc_sw128(sbase + QOFF + wg * QTILE + qstep, 16, 1024);
             float (&sf)[AW_BK / 2] = reinterpret_cast<float(&)[AW_BK / 2]>(s);
-            if (kk == 0) wgmma_ss_n<AW_BK, 0>(sf, a, d);
-            else wgmma_ss_n<AW_BK, 1>(sf, a, d);
+            if (kk == 0) wgmma_ss_n<AW_BK, 0>(sf, wg_desc_add(qdesc, qstep), wg_desc_add(kdesc, kstep));
+            else wgmma_ss_n<AW_BK, 1>(sf, wg_desc_add(qdesc, qstep), wg_desc_add(kdesc, kstep));
         }
         wg_commit();
     };
     u32 pa[NP][4];                                    // P of the tile, the A operand of P V
     // O += P V of tile kt (issued and committed; not waited for).
     auto issue_pv = [&](int kt) {
-        const u32 vdesc = sbase + (kt % AW_STAGES) * STAGE + TILE;
+        const u64 vdesc = wg_desc_add(vdesc0, (kt % AW_STAGES) * STAGE);
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk)
-            wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_sw128(vdesc + kk * 2048, AW_V_LBO, AW_V_SBO));
+            wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_add(vdesc, kk * 2048));
         wg_commit();
     };
     // Top of key tile kt: tile kt visible to every wgmma; the barrier also means every warpgroup
