@@ -24,12 +24,8 @@
 //   MODE 1 add   : y_0[n] += dot                (residual add; one segment)
 //   MODE 2 swiglu: y_0[n] = silu(dot_gate) * dot_up with gate = w0, up = w1 (same rows);
 //                  silu(g) = g / (1 + exp(-g)) as in engine/reference.py.
-//   MODE 3 swiglu_q8: MODE 2, then the q8_1 of y_0 into (oq, ods) in the same launch
-//                  (decode_common.cuh mmvq_group_q8; the bits of quantize_row_q8 over y_0).
-//   MODE 4 store_post: MODE 0 into views of one [q | k | v] buffer, then qkv_post's bias + RoPE +
-//                  f16 K/V append in the same launch (decode_common.cuh mmvq_qkv_post).
 // R = 1 row per warp in production (the R loops stay: the rows-per-warp and load-batch arms
-// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu|swiglu_q8|store_post}.
+// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -77,10 +73,8 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
-    const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
-    i8* __restrict__ oq = nullptr, float2* __restrict__ ods = nullptr, unsigned* __restrict__ tickets = nullptr,
-    QkvPostArgs post = QkvPostArgs{}) {
-    constexpr int NR = (MODE == 2 || MODE == 3) ? 2 * R : R;
+    const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
+    constexpr int NR = (MODE == 2) ? 2 * R : R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int blk = blockIdx.x;
     const u8* W;
@@ -102,7 +96,7 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     for (int i = 0; i < R; ++i) {
         const int r = max(0, min(row0 + i, N - 1));   // rows past N: read row N-1, never stored
         rows[i] = W + (size_t)r * rb;
-        if (NR > R) rows[R + i] = w1 + (size_t)r * rb;
+        if (MODE == 2) rows[R + i] = w1 + (size_t)r * rb;
     }
     const int j = lane & 7, c = j >> 1, h = j & 1;
     float acc[NR];
@@ -129,26 +123,20 @@ __device__ __forceinline__ void mmvq_q4_k_body(
         for (int i = 0; i < NR; ++i) acc[i] += q4k_slot(hdr[i], qs[i], c, h, xa, xb, da, db);
     }
     mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
-    if constexpr (MODE == 3) mmvq_group_q8<MMVQ_NW * R>(Y, blk, oq, ods, tickets);
-    if constexpr (MODE == 4) mmvq_qkv_post<MMVQ_NW * R, true>(Y, blk, post);
 }
 
-// XP / XA: the extra parameters / arguments of a MODE 3 or 4 instance (decode_common.cuh
-// MMVQ_Q8_PARAMS / _ARGS, MMVQ_POST_PARAMS / _ARGS), else empty.
-#define MMVQ_Q4K_INSTANCE(MODE, NAME, XP, XA)                                                 \
+#define MMVQ_Q4K_INSTANCE(MODE, NAME)                                                         \
     extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                \
     mmvq_q4_k_##NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                    \
                      const u8* __restrict__ w2, float* __restrict__ y0,                       \
                      float* __restrict__ y1, float* __restrict__ y2, int n0, int n1,          \
                      int n2, int nb1, int nb2, const i8* __restrict__ xq,                     \
-                     const float2* __restrict__ xds, int K XP) {                              \
-        mmvq_q4_k_body<1, MODE>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K XA); \
+                     const float2* __restrict__ xds, int K) {                                 \
+        mmvq_q4_k_body<1, MODE>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K);    \
     }
 
 #ifndef MMVQ_BODIES_ONLY                 // mmvq_mixed.cu takes the body alone
-MMVQ_Q4K_INSTANCE(0, store, , )
-MMVQ_Q4K_INSTANCE(1, add, , )
-MMVQ_Q4K_INSTANCE(2, swiglu, , )
-MMVQ_Q4K_INSTANCE(3, swiglu_q8, MMVQ_Q8_PARAMS, MMVQ_Q8_ARGS)
-MMVQ_Q4K_INSTANCE(4, store_post, MMVQ_POST_PARAMS, MMVQ_POST_ARGS)
+MMVQ_Q4K_INSTANCE(0, store)
+MMVQ_Q4K_INSTANCE(1, add)
+MMVQ_Q4K_INSTANCE(2, swiglu)
 #endif

@@ -18,8 +18,8 @@
 // with 16-bit loads (the parity arm). 16 dp4a per slot against four 16-byte q8 slices.
 //
 // Launch, modes and epilogue exactly as mmvq_q4_k.cu (block = 4 warps, R = 1 row per warp, up
-// to 3 segments; MODE 0 store, 1 add, 2 swiglu, 3 swiglu_q8, 4 store_post).
-// Kernel names: mmvq_q6_k_{pad|raw}_{store|add|swiglu|swiglu_q8|store_post}.
+// to 3 segments; MODE 0 store, 1 add, 2 swiglu).
+// Kernel names: mmvq_q6_k_{pad|raw}_{store|add|swiglu}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -83,10 +83,8 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
-    const i8* __restrict__ xq, const float2* __restrict__ xds, int K,
-    i8* __restrict__ oq = nullptr, float2* __restrict__ ods = nullptr, unsigned* __restrict__ tickets = nullptr,
-    QkvPostArgs post = QkvPostArgs{}) {
-    constexpr int NR = (MODE == 2 || MODE == 3) ? 2 * R : R;
+    const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
+    constexpr int NR = (MODE == 2) ? 2 * R : R;
     constexpr int BS = PADDED ? 224 : 210;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int blk = blockIdx.x;
@@ -109,7 +107,7 @@ __device__ __forceinline__ void mmvq_q6_k_body(
     for (int i = 0; i < R; ++i) {
         const int r = max(0, min(row0 + i, N - 1));
         rows[i] = W + (size_t)r * rb;
-        if (NR > R) rows[R + i] = w1 + (size_t)r * rb;
+        if (MODE == 2) rows[R + i] = w1 + (size_t)r * rb;
     }
     const int u4 = lane & 3, hh = u4 >> 1, l0 = 16 * (u4 & 1);
     float acc[NR];
@@ -135,28 +133,22 @@ __device__ __forceinline__ void mmvq_q6_k_body(
         for (int i = 0; i < NR; ++i) acc[i] += q6k_slot(s[i], hh, l0, x, d8);
     }
     mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
-    if constexpr (MODE == 3) mmvq_group_q8<MMVQ_NW * R>(Y, blk, oq, ods, tickets);
-    if constexpr (MODE == 4) mmvq_qkv_post<MMVQ_NW * R, true>(Y, blk, post);
 }
 
-// XP / XA: the extra parameters / arguments of a MODE 3 or 4 instance (decode_common.cuh
-// MMVQ_Q8_PARAMS / _ARGS, MMVQ_POST_PARAMS / _ARGS), else empty.
-#define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, MODE, NAME, XP, XA)                                   \
+#define MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, MODE, NAME)                                           \
     extern "C" __global__ void __launch_bounds__(MMVQ_NW * 32)                                  \
     mmvq_q6_k_##LAYOUT##_##NAME(                                                                \
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
         float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int n0, int n1, \
         int n2, int nb1, int nb2, const i8* __restrict__ xq, const float2* __restrict__ xds,    \
-        int K XP) {                                                                             \
-        mmvq_q6_k_body<1, MODE, PADDED>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K XA); \
+        int K) {                                                                                \
+        mmvq_q6_k_body<1, MODE, PADDED>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K); \
     }
 
 #define MMVQ_Q6K_LAYOUT(LAYOUT, PADDED)                 \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 0, store, , )                        \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, add, , )                          \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, swiglu, , )                       \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 3, swiglu_q8, MMVQ_Q8_PARAMS, MMVQ_Q8_ARGS)          \
-    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 4, store_post, MMVQ_POST_PARAMS, MMVQ_POST_ARGS)
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 0, store)        \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 1, add)          \
+    MMVQ_Q6K_INSTANCE(LAYOUT, PADDED, 2, swiglu)
 
 #ifndef MMVQ_BODIES_ONLY                 // mmvq_mixed.cu takes the body alone
 MMVQ_Q6K_LAYOUT(pad, true)

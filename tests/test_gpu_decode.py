@@ -189,44 +189,6 @@ def test_mmvq(cp, rng, layout, mode):
     _report(test="decode_mmvq", layout=layout, mode=mode, shapes=len(shapes), worst_err_over_bound=worst)
 
 
-@pytest.mark.parametrize("layout", ["q4_k", "q6_k_pad", "q6_k_raw"])
-def test_mmvq_swiglu_q8_equals_swiglu_then_quantize(cp, rng, layout):
-    """swiglu_q8 (the gate/up GEMV writing the q8_1 of its output through per-group tickets) gives
-    the bits of swiglu followed by quantize_row_q8, leaves its tickets at zero, and a second launch
-    gives the same bits; rows that are no whole q8_1 groups are refused by name."""
-    from engine.gpu import kernels
-    from engine.gpu.ops.mmvq import mmvq_launch
-    from engine.gpu.weights import upload_weight
-
-    kind = layout[:4]
-    ttype = "Q4_K" if kind == "q4_k" else "Q6_K"
-    pad = layout.endswith("pad")
-    qrow = kernels.get_kernel("decode_fused.cu", "quantize_row_q8")
-    for N, K in ((32, 256), (96, 512), (1056, 1536)) if EMU else ((32, 256), (1056, 1536), (11008, 4096)):
-        x = (rng.standard_normal((1, K)) * 10.0 ** rng.uniform(-2, 2)).astype(np.float32)
-        xq, xds = upload_act(cp, *Q.quantize_q8_1(x))
-        dg = upload_weight(rand_rows(rng, kind, N, K), ttype, pad_q6k=pad)
-        du = upload_weight(rand_rows(rng, kind, N, K), ttype, pad_q6k=pad)
-        y_ref = cp.full(N, np.nan, dtype=cp.float32)
-        q_ref, ds_ref = cp.full(N, 127, dtype=cp.int8), cp.full((N // 32, 2), np.nan, dtype=cp.float32)
-        mmvq_launch([dg, du], [y_ref], xq, xds, "swiglu")
-        qrow((-(-N // 256),), (256,), (y_ref, q_ref, ds_ref, np.int32(N // 32)))
-        tickets = cp.zeros(N // 32, dtype=cp.uint32)
-        for _ in range(2):
-            y = cp.full(N, np.nan, dtype=cp.float32)
-            q, ds = cp.full(N, 127, dtype=cp.int8), cp.full((N // 32, 2), np.nan, dtype=cp.float32)
-            mmvq_launch([dg, du], [y], xq, xds, "swiglu_q8", q8_out=(q, ds, tickets))
-            assert (cp.asnumpy(y).view(np.uint32) == cp.asnumpy(y_ref).view(np.uint32)).all()
-            assert (cp.asnumpy(q) == cp.asnumpy(q_ref)).all()
-            assert (cp.asnumpy(ds).view(np.uint32) == cp.asnumpy(ds_ref).view(np.uint32)).all()
-            assert not cp.asnumpy(tickets).any()
-    with pytest.raises(ValueError, match="no whole q8_1 groups"):
-        dg = upload_weight(rand_rows(rng, kind, 40, 256), ttype, pad_q6k=pad)
-        mmvq_launch([dg, dg], [cp.zeros(40, dtype=cp.float32)], xq[:256], xds[:8], "swiglu_q8",
-                    q8_out=(cp.zeros(40, dtype=cp.int8), cp.zeros((1, 2), dtype=cp.float32),
-                            cp.zeros(1, dtype=cp.uint32)))
-
-
 def test_mmvq_segments(cp, rng):
     """q, k, v in one launch: three matrices, three outputs, ragged row counts."""
     from engine.gpu.ops.mmvq import mmvq_launch
@@ -571,65 +533,6 @@ def test_qkv_post(cp, rng, rope, kv, layout):
     assert np.isnan(kg[others].astype(np.float32)).all() and np.isnan(vg[others].astype(np.float32)).all()
 
 
-@pytest.mark.parametrize("rope", ["normal", "neox"])
-@pytest.mark.parametrize("layouts", [("q4_k",) * 3, ("q4_k", "q4_k", "q6_k_pad"), ("q4_k", "q6_k_raw", "q6_k_raw"),
-                                     ("q6_k_pad",) * 3], ids=lambda v: "-".join(v))
-def test_mmvq_store_post_equals_store_then_qkv_post(cp, rng, rope, layouts):
-    """store_post (the q / k / v GEMVs running qkv_post through per-head tickets; mixed kinds in
-    mmvq_mixed) gives the bits of store + qkv_post_f16: qkv, qrot and the K/V cache row, with and
-    without a bias, twice in a row with the tickets back at zero; other cache rows untouched."""
-    from engine.gpu import kernels
-    from engine.formats.config import ModelConfig
-    from engine.formats.rope import rope_tables
-    from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch, qkv_post_args
-    from engine.gpu.weights import upload_weight
-
-    H, KVH, hd, T, K, p = 4, 2, 64, 12, 512, 9
-    cfg = ModelConfig("llama", 1, H * hd, H, KVH, hd, 512, 100, 2048, 1e4, rope, 1e-5, True, False)
-    qd, kvd = H * hd, KVH * hd
-    ws = [upload_weight(rand_rows(rng, lay[:4], n, K), "Q4_K" if lay == "q4_k" else "Q6_K", pad_q6k=lay.endswith("pad"))
-          for lay, n in zip(layouts, (qd, kvd, kvd))]
-    x = (rng.standard_normal((1, K)) * 3).astype(np.float32)
-    xq, xds = upload_act(cp, *Q.quantize_q8_1(x))
-    cos, sin = (cp.asarray(t) for t in rope_tables(cfg, np.arange(T)))
-    state = cp.asarray(np.array([0, p, 0, 0], dtype=np.int32))
-    post_k = kernels.get_kernel("decode_fused.cu", "qkv_post_f16")
-    null = np.uint64(0)
-
-    def post_args(bufs, bias):          # qkv_post's arguments over (qkv, qrot, kc, vc)
-        return (bufs[0], null if bias is None else bias, cos, sin, state, bufs[1], bufs[2], bufs[3], np.int64(hd),
-                np.int64(T * hd), np.int32(H), np.int32(KVH), np.int32(hd), np.int32(rope == "neox"))
-
-    def store(qkv, post=()):
-        outs = [qkv[:qd], qkv[qd:qd + kvd], qkv[qd + kvd:]]
-        if mixes(ws):
-            mmvq_mixed_launch(ws, outs, xq, xds, post=post)
-        elif len({(w.kind, bool(getattr(w, "padded", False))) for w in ws}) == 1:
-            mmvq_launch(ws, outs, xq, xds, "store_post" if post else "store", post=post)
-        else:
-            raise AssertionError("a layout mix this test does not plan")
-
-    for bias in (None, cp.asarray(rng.standard_normal(qd + 2 * kvd).astype(np.float32))):
-        ref = [cp.full(qd + 2 * kvd, np.nan, dtype=cp.float32), cp.full(qd, np.nan, dtype=cp.float32),
-               cp.full((KVH, T, hd), np.nan, dtype=cp.float16), cp.full((KVH, T, hd), np.nan, dtype=cp.float16)]
-        store(ref[0])
-        n = (H + KVH) * hd // 2 + kvd
-        post_k((-(-n // 256),), (256,), post_args(ref, bias))
-        tickets = cp.zeros(H + 2 * KVH, dtype=cp.uint32)
-        for _ in range(2):
-            got = [cp.full(r.shape, np.nan, dtype=r.dtype) for r in ref]
-            store(got[0], qkv_post_args(post_args(got, bias), tickets))
-            for g, r in zip(got, ref):
-                gb, rb = cp.asnumpy(g), cp.asnumpy(r)
-                bits = np.uint16 if gb.dtype == np.float16 else np.uint32
-                assert (gb.view(bits) == rb.view(bits)).all()          # NaN rows (untouched) compare by bits too
-            assert not cp.asnumpy(tickets).any()
-    with pytest.raises(ValueError, match="no run of whole 64-row heads"):
-        elsewhere = cp.zeros(qd + 2 * kvd, dtype=cp.float32)
-        mmvq_launch([ws[0]], [elsewhere[:qd]], xq, xds, "store_post",
-                    post=qkv_post_args(post_args(got, None), tickets))
-
-
 # ----------------------------------------------------------------------------- whole decode
 
 def _gpu_model(path, **kw):
@@ -840,9 +743,8 @@ def test_session_steps_match_prefill(cp, rng, tiny_qwen2_path):
 
 def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
     """One decode step launches exactly the production kernels (per layer: the q/k/v GEMVs by
-    layout runs, qkv_post (none with GGUF_PREFILL_QKV_POST_FUSED=1: store_post), attention split +
-    combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row (none with GGUF_PREFILL_SWIGLU_Q8=1:
-    swiglu_q8), down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
+    layout runs, qkv_post, attention split + combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row,
+    down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
     from engine.gpu import kernels
     from engine.gpu.decode import DecodeStep, bench_decode, same_launch
     from engine.gpu.ops.mmvq import mixes
@@ -865,14 +767,9 @@ def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
         runs = 1 + (not same_launch(W["attn_q"], W["attn_k"])) + (not same_launch(W["attn_k"], W["attn_v"]))
         if runs == 2 and mixes([W["attn_q"], W["attn_k"], W["attn_v"]]):
             runs = 1                                             # mmvq_mixed: q4_K and q6_K in one launch
-        glu = same_launch(W["ffn_gate"], W["ffn_up"])
-        q8_row = 0 if glu and step.ff_tickets is not None else 1   # swiglu_q8 writes the q8_1 row itself
-        post = 0 if step.head_tickets is not None else 1           # store_post runs qkv_post itself
-        want += runs + post + 2 + 1 + 1 + (1 if glu else 3) + q8_row + 1 + 1
+        want += runs + 1 + 2 + 1 + 1 + (1 if same_launch(W["ffn_gate"], W["ffn_up"]) else 3) + 1 + 1 + 1
     assert len(names) == want, names
-    assert ("mmvq_q4_k_swiglu_q8" in names) == (step.ff_tickets is not None)
-    assert any(n.endswith("store_post") for n in names) == (step.head_tickets is not None)
-    assert any(n.startswith("mmvq_mixed_pad_store") for n in names)   # the tiny model mixes q4_K and q6_K
+    assert "mmvq_mixed_pad_store" in names       # the tiny model mixes q4_K and q6_K in some layers
     assert names[-1] == "argmax_step" and not any("addnorm" in n or "_u2" in n or "_r2" in n for n in names)
     ts = bench_decode(model, n_gen=3, depth=2, reps=1)
     assert len(ts) == 1 and ts[0] > 0

@@ -34,7 +34,6 @@ attn_norm / ffn_norm / wo / down`, `output_norm`, `output_w`, `rope_tables(n)`) 
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
-from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch, qkv_post_args, rows_per_block
+from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
 
@@ -103,19 +102,6 @@ class DecodeStep:
         self.act_q = Q8Act(cp.zeros((1, qd), dtype=np.int8), cp.zeros((1, qd // 32, 2), dtype=f32))
         self.act_ff = Q8Act(cp.zeros((1, ff), dtype=np.int8), cp.zeros((1, ff // 32, 2), dtype=f32))
         self.hff = cp.zeros((1, ff), dtype=f32)
-        # GGUF_PREFILL_SWIGLU_Q8=1 (an A/B switch until measured): the gate/up GEMV writes the
-        # q8_1 of its output too (mmvq swiglu_q8; tickets: one per 32-value group), one launch
-        # per layer fewer than swiglu + quantize_row_q8; the same bits
-        self.ff_tickets = None
-        if os.environ.get("GGUF_PREFILL_SWIGLU_Q8", "0").strip() == "1" and ff % 32 == 0 \
-                and 32 % rows_per_block() == 0:
-            self.ff_tickets = cp.zeros(ff // 32, dtype=np.uint32)
-        # GGUF_PREFILL_QKV_POST_FUSED=1 (an A/B switch until measured): the q / k / v GEMVs run
-        # qkv_post themselves (mmvq store_post; tickets: one per head), one launch per layer fewer
-        self.head_tickets = None
-        if os.environ.get("GGUF_PREFILL_QKV_POST_FUSED", "0").strip() == "1" and cache.dtype == "f16" \
-                and cfg.head_dim % rows_per_block() == 0:
-            self.head_tickets = cp.zeros(cfg.n_heads + 2 * cfg.n_kv_heads, dtype=np.uint32)
         self.ffa = self.ffb = None
         if any(not same_launch(L.roles["ffn_gate"], L.roles["ffn_up"]) for L in model.layers):
             self.ffa = cp.zeros(ff, dtype=f32)
@@ -132,8 +118,7 @@ class DecodeStep:
     def nbytes(self) -> int:
         bufs = (self.io, self.hist, self.x, self.qkv, self.qrot, self.part_o, self.part_ml, self.hff,
                 self.logits, *self.act_d, *self.act_q, *self.act_ff)
-        return int(sum(b.nbytes for b in bufs) + (0 if self.ffa is None else self.ffa.nbytes * 2)
-                   + sum(0 if t is None else t.nbytes for t in (self.ff_tickets, self.head_tickets)))
+        return int(sum(b.nbytes for b in bufs) + (0 if self.ffa is None else self.ffa.nbytes * 2))
 
     # -- the launches of one step (current stream) ------------------------------------------
     def enqueue(self) -> None:
@@ -161,13 +146,8 @@ class DecodeStep:
             # q, k, v: one launch (mmvq_mixed where q4_K and q6_K mix), else one launch per run
             # of matrices that share kind and layout
             qkv_w, qkv_y = [W["attn_q"], W["attn_k"], W["attn_v"]], [q_out, k_out, v_out]
-            kl, vl = cache.k_layer(i), cache.v_layer(i)
-            post_args = (self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
-                         self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
-                         np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox"))
-            fused = () if self.head_tickets is None else qkv_post_args(post_args, self.head_tickets)
             if m.mixed_launch and mixes(qkv_w):
-                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds, post=fused)
+                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds)
             else:
                 groups: list[tuple[list, list]] = []
                 for wt, out in zip(qkv_w, qkv_y):
@@ -177,30 +157,27 @@ class DecodeStep:
                     else:
                         groups.append(([wt], [out]))
                 for ws, outs in groups:
-                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store_post" if fused else "store",
-                                post=fused)
-            if not fused:
-                post((-(-n_post // 256),), (256,), post_args)
+                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
+            kl, vl = cache.k_layer(i), cache.v_layer(i)
+            post((-(-n_post // 256),), (256,), (
+                self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
+                self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
+                np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
             attention_launch(self.qrot, kl, vl, ts, hs, self.state[1:2], cfg.n_heads, cfg.n_kv_heads,
                              cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
                              self.act_q.q, self.act_q.ds)
             mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add")
             norm(L.ffn_norm)
-            glu = same_launch(W["ffn_gate"], W["ffn_up"])     # gate and up in one launch
-            if glu and self.ff_tickets is not None:
-                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu_q8",
-                            q8_out=(self.act_ff.q, self.act_ff.ds, self.ff_tickets))
+            if same_launch(W["ffn_gate"], W["ffn_up"]):
+                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
             else:
-                if glu:
-                    mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
-                else:
-                    mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
-                    mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
-                    ff = cfg.d_ff
-                    _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
-                                                                                   np.int32(ff)))
-                qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
-                                                      np.int32(cfg.d_ff // 32)))
+                mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
+                mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
+                ff = cfg.d_ff
+                _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
+                                                                               np.int32(ff)))
+            qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
+                                                  np.int32(cfg.d_ff // 32)))
             mmvq_launch([L.down], [self.x], self.act_ff.q, self.act_ff.ds, "add")
             norm(layers[i + 1].attn_norm if i + 1 < len(layers) else m.output_norm)
         mmvq_launch([m.output_w], [self.logits], self.act_d.q, self.act_d.ds, "store")

@@ -256,8 +256,7 @@ WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS) + ((128,
 
 # ----------------------------------------------------------------------------- decode
 
-MMVQ_MODES = ("store", "add", "swiglu", "swiglu_q8", "store_post")   # mmvq_*.cu MODE 0 .. 4
-MMVQ_MIXED_MODES = ("store", "store_post")                             # mmvq_mixed.cu
+MMVQ_MODES = ("store", "add", "swiglu")   # mmvq_*.cu MODE 0, 1, 2
 ATTN_HEAD_DIMS = (64, 128)
 ATTN_GROUPS = (1, 2, 4, 6, 7, 8)          # query heads per KV head (GQA)
 KV_DTYPES = ("f16", "f32")
@@ -278,12 +277,9 @@ def mmvq_name(kind: str, mode: str, padded: bool = True) -> str:
     return f"mmvq_{kind}_{mode}" if layouts is None else f"mmvq_{kind}_{layouts[0 if padded else 1]}_{mode}"
 
 
-def mmvq_mixed_name(padded: bool = True, mode: str = "store") -> str:
-    """mmvq_mixed.cu: q4_K then q6_K matrices (padded: that layout) in one store (or store_post)
-    launch."""
-    if mode not in MMVQ_MIXED_MODES:
-        raise ValueError(f"no mixed MMVQ mode {mode!r} (have {MMVQ_MIXED_MODES})")
-    return f"mmvq_mixed_{'pad' if padded else 'raw'}_{mode}"
+def mmvq_mixed_name(padded: bool = True) -> str:
+    """mmvq_mixed.cu: q4_K then q6_K matrices (padded: that layout) in one store launch."""
+    return f"mmvq_mixed_{'pad' if padded else 'raw'}_store"
 
 
 def attn_split_name(head_dim: int, group: int, kv_dtype: str) -> str:
@@ -351,7 +347,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
                         "swiglu_mul", "set_state"),
     "mmvq_q4_k.cu": tuple(mmvq_name("q4_k", m) for m in MMVQ_MODES),
     "mmvq_q6_k.cu": tuple(mmvq_name("q6_k", m, p) for p in (True, False) for m in MMVQ_MODES),
-    "mmvq_mixed.cu": tuple(mmvq_mixed_name(p, m) for m in MMVQ_MIXED_MODES for p in (True, False)),
+    "mmvq_mixed.cu": tuple(mmvq_mixed_name(p) for p in (True, False)),
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS)
     + tuple(attn_split_varlen_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS)
