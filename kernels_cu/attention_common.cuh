@@ -26,21 +26,13 @@
 #define AT_SMEM_MAX (227 * 1024)            // the most dynamic smem of a block (sm_90), for the emulation
 // Grid of the prefill / varlen entries: (H, query tiles), heads the fast index, so the hardware
 // hands out blocks in decreasing key count over all heads (the tiles are numbered longest
-// first): greedy list scheduling of the longest first leaves a short wave tail, where (tiles, H)
-// repeated long .. short once per head. The heads of one KV group also run side by side (K/V from
-// L2). AT_HEADS_FAST=0 (an A/B define; ops.attention follows it) gives the old (tiles, H) grid.
-#ifndef AT_HEADS_FAST
-#define AT_HEADS_FAST 1
-#endif
-#if AT_HEADS_FAST
+// first): greedy list scheduling of the longest first leaves a short wave tail, where a (tiles,
+// H) grid repeated long .. short once per head (H100, attention 1.02-1.15x at 4096@4096 and
+// 1.04-1.28x at 3314@0; docs/perf-log.md, Session 19). The heads of one KV group also run side
+// by side (K/V from L2).
 #define AT_HEAD blockIdx.x
 #define AT_TILE blockIdx.y
 #define AT_NTILES gridDim.y
-#else
-#define AT_HEAD blockIdx.y
-#define AT_TILE blockIdx.x
-#define AT_NTILES gridDim.x
-#endif
 
 #ifndef GGP_EMU
 typedef u32 saddr;                          // shared-memory address (cvta.to.shared)
@@ -168,18 +160,19 @@ __device__ __forceinline__ void at_mask(float (&s)[NS][4], int k0, int prow, int
         }
 }
 
-// Pieces of a row's online-softmax step (row r = g + 8 r of the warp's 16): its max over the
-// tile (the 4 lanes of a row combined), and s -> p = 2^(s - muse) in place, returning sum p.
+// The online-softmax step of row r (g + 8 r) of one key tile, o aside: s -> p in place, m and l
+// updated; returns corr, the factor that row of o is to be scaled by.
 template <int NS>
-__device__ __forceinline__ float at_row_max(const float (&s)[NS][4], int r) {
+__device__ __forceinline__ float at_softmax_row(float (&s)[NS][4], float (&mrow)[2], float (&lrow)[2], int r) {
     float mx = AT_NEG_INF;
 #pragma unroll
     for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-}
-template <int NS>
-__device__ __forceinline__ float at_row_exp(float (&s)[NS][4], float muse, int r) {
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(mrow[r], mx);
+    const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
+    const float corr = exp2f(mrow[r] - muse);
+    mrow[r] = mnew;
     float ls = 0.0f;
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
@@ -187,36 +180,7 @@ __device__ __forceinline__ float at_row_exp(float (&s)[NS][4], float muse, int r
         s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
         ls += s[j][2 * r] + s[j][2 * r + 1];
     }
-    return ls;
-}
-
-// The online-softmax step of row r (g + 8 r) of one key tile, o aside: s -> p in place, m and l
-// updated; returns corr, the factor that row of o is to be scaled by.
-template <int NS>
-__device__ __forceinline__ float at_softmax_row(float (&s)[NS][4], float (&mrow)[2], float (&lrow)[2], int r) {
-    const float mnew = fmaxf(mrow[r], at_row_max(s, r));
-    const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
-    const float corr = exp2f(mrow[r] - muse);
-    mrow[r] = mnew;
-    lrow[r] = fmaf(lrow[r], corr, at_row_exp(s, muse, r));
-    return corr;
-}
-
-// at_softmax_row with a lazy reference max (an A/B form, attention_wgmma.cu's AW_LAZY): the
-// row's m moves only when the tile's max exceeds it by more than `slack` (log2 units), so most
-// tiles leave o alone (corr 1, `moved` false); p = 2^(s - m) <= 2^slack meanwhile, and o and l
-// keep the one reference, so o / l is unchanged up to rounding (not bit for bit: P is rounded
-// from other values).
-template <int NS>
-__device__ __forceinline__ float at_softmax_row_lazy(float (&s)[NS][4], float (&mrow)[2], float (&lrow)[2], int r,
-                                                     float slack, bool& moved) {
-    const float mx = at_row_max(s, r);
-    moved = mx > mrow[r] + slack;                     // m = -inf: any unmasked key moves it
-    const float mnew = moved ? mx : mrow[r];
-    const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
-    const float corr = moved ? exp2f(mrow[r] - muse) : 1.0f;
-    mrow[r] = mnew;
-    lrow[r] = fmaf(lrow[r], corr, at_row_exp(s, muse, r));
+    lrow[r] = fmaf(lrow[r], corr, ls);
     return corr;
 }
 

@@ -42,7 +42,7 @@
 //     row kvbase + p (sequences occupy disjoint row ranges); nq == 0: the block returns at once
 //     (padding, so that a CUDA graph keeps a fixed grid); 1 <= nq <= 64 otherwise (more: trap).
 //     engine.gpu.ops.attention.varlen_tiles cuts sequences into the one-sequence kernel's tiles.
-// Grid (H, tiles) (attention_common.cuh: AT_HEADS_FAST); 128 threads; dynamic smem 5 * 64 * HD * 2
+// Grid (H, tiles) (attention_common.cuh: AT_HEAD, AT_TILE); 128 threads; dynamic smem 5 * 64 * HD * 2
 // bytes (Q, 2 x K, 2 x V).
 #include "attention_common.cuh"
 

@@ -39,7 +39,7 @@
 // block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3).
 // 128-key tiles halve the barriers, fences and softmax rounds per key (H200, 4096@4096: 1.11x
 // the 64-key form; docs/perf-log.md, Session 18).
-// Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEADS_FAST), q tiles in reverse order
+// Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEAD, AT_TILE), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
 // bytes (224 KB at HD = 128).
 #include "attention_common.cuh"
@@ -56,9 +56,6 @@
 #define AW_V_LBO ATOM                     // (atom column), SBO = the next 8 keys (PTX ISA / CUTLASS's
 #define AW_V_SBO 1024                     // canonical MN-major form); defines swap them for checks
 #endif
-#ifndef AW_LAZY
-#define AW_LAZY 0                         // A/B define: lazy softmax max with this slack (log2 units;
-#endif                                    // at_softmax_row_lazy), 0 = the eager max of attention_prefill.cu
 #ifndef AW_NWG
 #define AW_NWG 2                          // warpgroups per block, 64 queries each (3: an A/B define)
 #endif
@@ -209,25 +206,15 @@ __device__ __forceinline__ void attn_wgmma_body(
     auto softmax_pack = [&](float (&s)[NS][4], int kt, bool pv_pending) {
         const int k0 = kt * AW_BK;
         if (k0 + AW_BK - 1 > wfirst) at_mask(s, k0, prow, tig);
-#if AW_LAZY
-        bool moved[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) corr[r] = at_softmax_row_lazy(s, mrow, lrow, r, (float)AW_LAZY, moved[r]);
-        const bool rescale = __any_sync(0xffffffffu, moved[0] || moved[1]);   // warp-uniform
-#else
 #pragma unroll
         for (int r = 0; r < 2; ++r) corr[r] = at_softmax_row(s, mrow, lrow, r);
-        constexpr bool rescale = true;
-#endif
         if (pv_pending) {
             wg_wait<0>();                             // P V of tile kt - 1 landed in o
             wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
             wg_keep(reinterpret_cast<u32(&)[NP * 4]>(pa));    // P's registers live until the wgmmas read them
         }
-        if (rescale) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
-        }
+        for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
     };

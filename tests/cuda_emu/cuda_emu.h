@@ -111,18 +111,6 @@ inline T __shfl_xor_sync(unsigned, T v, int off) {
     return r;
 }
 
-// The warp's vote. Call it with all 32 lanes live (a full mask, as the kernels do): a lane that
-// returned leaves its slot of g_warp_buf stale.
-inline bool __any_sync(unsigned, bool p) {
-    const int w = emu::g_cur->warp, lane = (int)(threadIdx.x & 31);
-    emu::g_warp_buf[w][lane] = p ? 1u : 0u;
-    emu::wait(emu::WAIT_WARP);
-    bool any = false;
-    for (int l = 0; l < 32; ++l) any |= emu::g_warp_buf[w][l] != 0;
-    emu::wait(emu::WAIT_WARP);
-    return any;
-}
-
 extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
                           unsigned bx, unsigned by, unsigned bz) {
     using namespace emu;

@@ -69,9 +69,8 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
 
 def prefill_grid(n_tiles: int, heads: int) -> tuple[int, int]:
     """Grid of a prefill / varlen attention launch: (heads, tiles), so blocks go out longest
-    first over all heads (attention_common.cuh's AT_HEADS_FAST); (tiles, heads) when an A/B run
-    sets AT_HEADS_FAST=0."""
-    return (heads, n_tiles) if kernels.define_value("AT_HEADS_FAST", 1) else (n_tiles, heads)
+    first over all heads (attention_common.cuh, AT_HEAD / AT_TILE)."""
+    return heads, n_tiles
 
 
 def prefill_variant() -> str:
