@@ -63,12 +63,11 @@ def test_kernel_defines(monkeypatch):
 def test_define_value(monkeypatch):
     """A launcher's reading of a define: its integer, the default when absent, a named error."""
     from engine.gpu import kernels
-    from engine.gpu.ops.attention import attention_smem_bytes, prefill_grid, wgmma_warpgroups
+    from engine.gpu.ops.attention import attention_smem_bytes, wgmma_warpgroups
     from engine.gpu.ops.mmvq import mmvq_warps
 
     monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
     assert kernels.define_value("AW_NWG", 2) == 2 == wgmma_warpgroups()
-    assert prefill_grid(26, 32) == (32, 26)          # heads the fast index
     assert attention_smem_bytes(128, "wgmma") == 224 * 1024
     assert mmvq_warps() == 4
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3,MMVQ_NW=8 AW_BK=64,AW_STAGES=4")
