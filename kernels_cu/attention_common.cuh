@@ -128,6 +128,40 @@ __device__ __forceinline__ void at_stage_q(saddr sQ, const u16* __restrict__ Qh,
     }
 }
 
+// A thread's copies of one K / V tile of BK keys (both prefill kernels): chunk kch of the keys
+// kin0 + KSTEP i < BK (kch = tid % (HD / 8), kin0 = tid / (HD / 8), KSTEP = threads / (HD / 8): a
+// warp reads whole key rows). KSTEP is a multiple of 8, so every copy keeps row kin0's XOR
+// swizzle and lies KSTEP shared rows of srow bytes after the previous one: the addresses are the
+// thread's fixed offsets plus constants. dk / dv: row kin0's chunk in the K / V tile; kch_k /
+// kch_v: chunk kch of key 0; row: element offset of key kin0 of the tile; whole: every key of
+// the tile is below L (block-uniform; no bounds test), else copy i holds a key while
+// KSTEP i < left (= L - first key of the tile - kin0) and the rest are zero-filled.
+template <int BK, int KSTEP, int HD>
+__device__ __forceinline__ void at_copy_kv(saddr dk, saddr dv, u32 srow, const u16* kch_k, const u16* kch_v,
+                                           size_t row, int kin0, bool whole, int left) {
+    constexpr int KCOPIES = (BK + KSTEP - 1) / KSTEP;
+    static_assert(KSTEP % 8 == 0, "copy layout: the swizzle repeats every 8 rows");
+    if (whole) {
+        const u16* k = kch_k + row;
+        const u16* v = kch_v + row;
+#pragma unroll
+        for (int i = 0; i < KCOPIES; ++i) {
+            if (BK % KSTEP && kin0 + i * KSTEP >= BK) break;   // 3 warpgroups: 24 rows a step
+            cp_async16(dk + i * KSTEP * srow, k + i * KSTEP * HD, 16);
+            cp_async16(dv + i * KSTEP * srow, v + i * KSTEP * HD, 16);
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < KCOPIES; ++i) {
+        if (BK % KSTEP && kin0 + i * KSTEP >= BK) break;
+        const bool ok = i * KSTEP < left;
+        const size_t off = ok ? row + (size_t)i * KSTEP * HD : 0;   // else key 0, zero-filled
+        cp_async16(dk + i * KSTEP * srow, kch_k + off, ok ? 16 : 0);
+        cp_async16(dv + i * KSTEP * srow, kch_v + off, ok ? 16 : 0);
+    }
+}
+
 // The warp's A fragments of Q K^T (its 16 rows from row 16 warp of the staged Q, HD / 16 k-steps).
 template <int HD>
 __device__ __forceinline__ void at_q_frags(u32 (&qa)[HD / 16][4], saddr sQ, int warp, int lane) {

@@ -83,35 +83,17 @@ __device__ __forceinline__ void attn_prefill_body(
     const u16* Vh = Vc + ((size_t)kvh * maxT + kvbase) * HD;
 
     at_stage_q<HD, AT_BQ, AT_NTH>(sQ, Qh, nq, tid);
-    // A thread's copies of a K / V tile: chunk kch = tid % CH of rows kin0 + KSTEP i (a warp reads
-    // whole key rows). KSTEP is a multiple of 8, so every copy has row kin0's swizzle: the
-    // addresses are fixed offsets plus constants; whole tiles take no bounds test, keys past L
-    // are zero-filled (attention_wgmma.cu's copies, on the unswizzled-atom layout).
-    constexpr int KSTEP = AT_NTH / CH, KCOPIES = AT_BK / KSTEP;
-    static_assert(AT_NTH % CH == 0 && KSTEP % 8 == 0 && AT_BK % KSTEP == 0, "copy layout");
+    // K / V tiles: at_copy_kv (chunk tid % CH of keys tid / CH + KSTEP i), unswizzled atoms.
+    constexpr int KSTEP = AT_NTH / CH;
+    static_assert(AT_NTH % CH == 0, "copy layout");
     const int kin0 = tid / CH, kch = tid % CH;
     const saddr kvdst = kin0 * ROWB + ((kch ^ (kin0 & 7)) << 4);
     const u16* Kch = Kh + kch * 8;
     const u16* Vch = Vh + kch * 8;
     auto load_kv = [&](int kt, int buf) {
         const saddr dst = kvdst + buf * TILE;
-        const size_t row = ((size_t)kt * AT_BK + kin0) * HD;
-        if ((kt + 1) * AT_BK <= L) {                  // a whole tile of keys (block-uniform)
-#pragma unroll
-            for (int i = 0; i < KCOPIES; ++i) {
-                cp_async16(sK0 + dst + i * KSTEP * ROWB, Kch + row + i * KSTEP * HD, 16);
-                cp_async16(sV0 + dst + i * KSTEP * ROWB, Vch + row + i * KSTEP * HD, 16);
-            }
-            return;
-        }
-        const int left = L - kt * AT_BK - kin0;       // copy i holds a key while KSTEP i < left
-#pragma unroll
-        for (int i = 0; i < KCOPIES; ++i) {
-            const bool ok = i * KSTEP < left;
-            const size_t off = ok ? row + (size_t)i * KSTEP * HD : 0;   // else key 0, zero-filled
-            cp_async16(sK0 + dst + i * KSTEP * ROWB, Kch + off, ok ? 16 : 0);
-            cp_async16(sV0 + dst + i * KSTEP * ROWB, Vch + off, ok ? 16 : 0);
-        }
+        at_copy_kv<AT_BK, KSTEP, HD>(sK0 + dst, sV0 + dst, ROWB, Kch, Vch, ((size_t)kt * AT_BK + kin0) * HD, kin0,
+                                     (kt + 1) * AT_BK <= L, L - kt * AT_BK - kin0);
     };
     load_kv(0, 0);
     cp_async_commit();

@@ -113,40 +113,18 @@ __device__ __forceinline__ void attn_wgmma_body(
         cp_async16(s0 + QOFF + (row >> 6) * QTILE + sw(QATOM, row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
                    ok ? 16 : 0);
     }
-    // A thread's copies of a K / V tile: chunk kch = tid % CH of keys kin0 + KSTEP i, i < KCOPIES
-    // (a warp reads whole key rows); the 8-chunk piece of a 128-byte atom row lands permuted
-    // within that row (conflict-free). KSTEP is a multiple of 8, so each copy has row kin0's
-    // swizzle and lies KSTEP rows after the previous: the addresses are the thread's fixed
-    // offsets plus constants (no per-copy index arithmetic); keys past L are zero-filled.
-    constexpr int KSTEP = AW_NTH / CH, KCOPIES = (AW_BK + KSTEP - 1) / KSTEP;
-    static_assert(AW_NTH % CH == 0 && KSTEP % 8 == 0, "copy layout");
+    // K / V tiles: at_copy_kv (chunk tid % CH of keys tid / CH + KSTEP i); the 8-chunk piece of a
+    // 128-byte atom row lands permuted within that row (conflict-free).
+    constexpr int KSTEP = AW_NTH / CH;
+    static_assert(AW_NTH % CH == 0, "copy layout");
     const int kin0 = tid / CH, kch = tid % CH;
     const saddr kvdst = s0 + sw(ATOM, kin0, kch);
     const u16* Kch = Kh + kch * 8;
     const u16* Vch = Vh + kch * 8;
     auto load_kv = [&](int kt) {
         const saddr dst = kvdst + (kt % AW_STAGES) * STAGE;
-        const size_t row = ((size_t)kt * AW_BK + kin0) * HD;
-        if ((kt + 1) * AW_BK <= L) {                  // a whole tile of keys (block-uniform)
-            const u16* k = Kch + row;
-            const u16* v = Vch + row;
-#pragma unroll
-            for (int i = 0; i < KCOPIES; ++i) {
-                if (AW_BK % KSTEP && kin0 + i * KSTEP >= AW_BK) break;   // AW_NWG = 3: 24 rows a step
-                cp_async16(dst + i * KSTEP * 128, k + i * KSTEP * HD, 16);
-                cp_async16(dst + i * KSTEP * 128 + TILE, v + i * KSTEP * HD, 16);
-            }
-            return;
-        }
-        const int left = L - kt * AW_BK - kin0;       // copy i holds a key while KSTEP i < left
-#pragma unroll
-        for (int i = 0; i < KCOPIES; ++i) {
-            if (AW_BK % KSTEP && kin0 + i * KSTEP >= AW_BK) break;
-            const bool ok = i * KSTEP < left;
-            const size_t off = ok ? row + (size_t)i * KSTEP * HD : 0;   // else key 0, zero-filled
-            cp_async16(dst + i * KSTEP * 128, Kch + off, ok ? 16 : 0);
-            cp_async16(dst + i * KSTEP * 128 + TILE, Vch + off, ok ? 16 : 0);
-        }
+        at_copy_kv<AW_BK, KSTEP, HD>(dst, dst + TILE, 128, Kch, Vch, ((size_t)kt * AW_BK + kin0) * HD, kin0,
+                                     (kt + 1) * AW_BK <= L, L - kt * AW_BK - kin0);
     };
     load_kv(0);
     cp_async_commit();
