@@ -8,7 +8,12 @@
 // One thread per 4 consecutive elements (n4 = T*F/4 float4s, 16-byte loads: ld and the g/u
 // offsets are multiples of 4 floats); a q8_1 block is 8 consecutive lanes (shuffles xor 1, 2,
 // 4; lanes past n4 take part with zeros and store nothing). Block 256 threads.
-// swiglu_x16: the same h as f16 into the Hopper GEMMs' tiled operand (x16_tiles.cuh).
+// swiglu_x16: the same h as f16 into the Hopper GEMMs' tiled operand (x16_tiles.cuh). Block
+// (super-block column S, token group G) = 8 tokens x 256 columns: the f32 loads are whole
+// 1 KB row pieces (two float4s a thread); h goes through shared memory in the tiles' order (the
+// block's 4 KB = four 1 KB runs of Xt, one per 64-k block), then each thread stores one 16-byte
+// piece (one token's 8 k of a chunk), so a warp writes 512 contiguous bytes where the
+// one-thread-per-float4 form wrote 4-byte words 64 bytes apart.
 #include "common.cuh"
 #include "x16_tiles.cuh"
 
@@ -57,17 +62,26 @@ swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long 
 }
 
 // h as in swiglu_q8_1 (bit for bit) as f16 into Xt (x16_tiles.cuh) of T rows, zeroed past T by
-// the caller. One thread per 4 consecutive elements (n4 = T*F/4).
+// the caller (pieces of tokens past T are not stored). Grid (F / 256, ceil(T / 8)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_x16(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F, int T,
            u16* __restrict__ Xt) {
     pdl_entry();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // float4 index
-    const int f4 = F >> 2;
-    if (i >= (long long)T * f4) return;
-    const int t = (int)(i / f4), c = (int)(i - (long long)t * f4);
-    const float4 gv = *reinterpret_cast<const float4*>(g + t * ld + 4 * c);
-    const float4 uv = *reinterpret_cast<const float4*>(u + t * ld + 4 * c);
-    wg_store_quad(Xt, t, 4 * c, (T + 7) / 8, sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y),
-                  sw_silu_mul(gv.z, uv.z), sw_silu_mul(gv.w, uv.w));
+    __shared__ __align__(16) u16 tile[4 * 512];       // the block's 4 runs of 8 chunks x 8 tokens x 8 k
+    const int k0 = 256 * blockIdx.x, n0 = 8 * blockIdx.y, tid = threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int q = tid + 256 * j, r = q >> 6, k = 4 * (q & 63);   // token n0 + r, columns k0 + k..
+        if (n0 + r >= T) continue;
+        const size_t off = (size_t)(n0 + r) * ld + k0 + k;
+        const float4 gv = *reinterpret_cast<const float4*>(g + off);
+        const float4 uv = *reinterpret_cast<const float4*>(u + off);
+        wg_store_quad(tile, r, k, 1, sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y),
+                      sw_silu_mul(gv.z, uv.z), sw_silu_mul(gv.w, uv.w));
+    }
+    __syncthreads();
+    const int blk = tid >> 6, piece = tid & 63;       // run blk (64-k block 4 S + blk), piece c * 8 + r
+    if (n0 + (piece & 7) >= T) return;
+    const size_t run = ((size_t)(4 * blockIdx.x + blk) * gridDim.y + blockIdx.y) * 512;
+    reinterpret_cast<uint4*>(Xt + run)[piece] = reinterpret_cast<const uint4*>(tile + blk * 512)[piece];
 }

@@ -35,8 +35,7 @@ def swiglu_x16(g, u, ld: int, F: int, xt, T: int) -> None:
     if ld % 4:
         raise ValueError(f"swiglu_x16: row stride {ld} is not a multiple of 4 (float4 loads)")
     contig(xt, np.float16, tiled_shape(T, F), "swiglu xt")
-    n4 = T * F // 4
-    if n4 == 0:
+    if T * F == 0:
         return
     k = kernels.get_kernel("swiglu.cu", "swiglu_x16")
-    k(((n4 + 255) // 256,), (256,), (g, u, np.int64(ld), np.int32(F), np.int32(T), xt))
+    k((F // 256, (T + 7) // 8), (256,), (g, u, np.int64(ld), np.int32(F), np.int32(T), xt))
