@@ -41,7 +41,7 @@
 // the 64-key form; docs/perf-log.md, Session 18).
 // Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEAD, AT_TILE), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
-// bytes (224 KB at HD = 128).
+// bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers (AW_MB).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -61,6 +61,14 @@
 #endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
 #define AW_NTH (128 * AW_NWG)
+#ifndef AW_MB
+#define AW_MB 0                           // 1: the mbarrier pipeline (no block barrier per tile)
+#endif
+#ifndef AW_PP
+#define AW_PP 0                           // 1 (with AW_MB, 2 warpgroups): their wgmma issues take turns
+#endif
+#define AW_PP_BAR 8                       // named barriers 8, 9: warpgroup w waits at 8 + w for its turn
+static_assert(!AW_PP || (AW_MB && AW_NWG == 2), "AW_PP: the mbarrier pipeline of two warpgroups");
 
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_body(
@@ -90,7 +98,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    if (dyn_smem_bytes() < QOFF + AW_BQ * ROWB || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
+    if (dyn_smem_bytes() < QOFF + AW_BQ * ROWB + 16 * AW_STAGES || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -107,6 +115,16 @@ __device__ __forceinline__ void attn_wgmma_body(
 
     // Byte of the 16-byte chunk ch of row r in a swizzled tile whose atom columns are atom bytes.
     auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
+#if AW_MB
+    const u32 full0 = sbase + QOFF + AW_BQ * ROWB;    // mbarrier of stage s: tile landed (every thread's copies)
+    const u32 empty0 = full0 + 8 * AW_STAGES;         // ... and tile consumed (every warp done with it)
+    if (tid == 0)
+        for (int st = 0; st < AW_STAGES; ++st) {
+            mbar_init(full0 + 8 * st, AW_NTH);
+            mbar_init(empty0 + 8 * st, AW_NTH / 32);
+        }
+    __syncthreads();                                  // initialized before any arrival
+#endif
     for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {  // warpgroup w's 64 rows: the tile at QOFF + w QTILE
         const int row = p / CH, ch = p % CH;
         const bool ok = row < nq;
@@ -126,6 +144,22 @@ __device__ __forceinline__ void attn_wgmma_body(
         at_copy_kv<AW_BK, KSTEP, HD>(dst, dst + TILE, 128, Kch, Vch, ((size_t)kt * AW_BK + kin0) * HD, kin0,
                                      (kt + 1) * AW_BK <= L, L - kt * AW_BK - kin0);
     };
+#if AW_MB
+    // Tile j's copies by every thread, then its arrival on full[j % STAGES] once they have landed;
+    // a stage's previous tile must have been released by every warp first.
+    auto produce = [&](int j) {
+        if (j >= nkt) return;
+        if (j >= AW_STAGES) mbar_wait(empty0 + 8 * (j % AW_STAGES), (j / AW_STAGES - 1) & 1);
+        load_kv(j);
+        cp_async_mbar_arrive(full0 + 8 * (j % AW_STAGES));
+    };
+#pragma unroll
+    for (int j = 0; j < AW_AHEAD; ++j) produce(j);
+    cp_async_commit();
+    cp_async_wait<0>();                               // Q (and the first tiles) landed
+    fence_proxy_async();
+    __syncthreads();
+#else
     load_kv(0);
     cp_async_commit();
     cp_async_wait<0>();
@@ -135,6 +169,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         if (j < nkt) load_kv(j);
         cp_async_commit();
     }
+#endif
 
     float o[HD / 8][4], mrow[2], lrow[2];
     at_init(o, mrow, lrow);
@@ -170,6 +205,20 @@ __device__ __forceinline__ void attn_wgmma_body(
     };
     // Top of key tile kt: tile kt visible to every wgmma; the barrier also means every warpgroup
     // is past its P V of tile kt - AW_AHEAD, whose buffer the copies of tile kt + AW_AHEAD reuse.
+#if AW_MB
+    // The mbarrier pipeline: at the top of tile kt wait for it to land (fence: the copies, generic
+    // proxy, visible to this thread's wgmmas); after its wgmmas are issued, copy tile kt + AW_AHEAD;
+    // once the P V of tile kt - 1 is waited for, each warp releases that tile. The warpgroups meet
+    // nowhere else, so one may run up to about a tile ahead of the other. Every thread copies and
+    // every warp releases every tile of the block, its warpgroup's or not (the counts are fixed).
+    auto next_tile = [&](int kt) {
+        mbar_wait(full0 + 8 * (kt % AW_STAGES), (kt / AW_STAGES) & 1);
+        fence_proxy_async();
+    };
+    auto release = [&](int kt) {
+        if (lane == 0) mbar_arrive(empty0 + 8 * (kt % AW_STAGES));
+    };
+#else
     auto next_tile = [&](int kt) {
         cp_async_wait<AW_AHEAD - 1>();                // this thread's copies of tile kt landed
         fence_proxy_async();
@@ -177,6 +226,19 @@ __device__ __forceinline__ void attn_wgmma_body(
         if (kt + AW_AHEAD < nkt) load_kv(kt + AW_AHEAD);
         cp_async_commit();
     };
+#endif
+    // AW_PP (FA3's ping-pong): each warpgroup issues its wgmmas of a tile in turn, so one's softmax
+    // runs under the other's MMAs instead of both at once. Turn t of warpgroup w waits at barrier
+    // 8 + w for the other's turn t - 1 (warpgroup 1 lets warpgroup 0 start), and each warpgroup
+    // takes nkt + 1 turns (tiles, the last P V; a warpgroup past its last tile, or without queries,
+    // takes its turns without wgmmas), so every bar.sync meets its bar.arrive.
+    auto turn_begin = [&]() {
+        if (AW_PP) named_bar_sync(AW_PP_BAR + wg, 256);
+    };
+    auto turn_end = [&](bool last) {
+        if (AW_PP && !(wg == 1 && last)) named_bar_arrive(AW_PP_BAR + 1 - wg, 256);
+    };
+    if (AW_PP && wg == 1) named_bar_arrive(AW_PP_BAR, 256);
     // Mask and softmax of tile kt's S (corr kept); once the pending P V (of tile kt - 1) has
     // landed, o *= corr; P of tile kt packed for its P V.
     const int wg_nkt = wg_last / AW_BK + 1;           // the warpgroup's tiles (warpgroup-uniform)
@@ -190,21 +252,48 @@ __device__ __forceinline__ void attn_wgmma_body(
             wg_wait<0>();                             // P V of tile kt - 1 landed in o
             wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
             wg_keep(reinterpret_cast<u32(&)[NP * 4]>(pa));    // P's registers live until the wgmmas read them
+#if AW_MB
+            release(kt - 1);
+#endif
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
     };
+#if AW_MB
+    // Tiles kt0 .. nkt - 1 that the warpgroup does not read: their copies, releases and turns.
+    auto pass_tiles = [&](int kt0) {
+        for (int kt = kt0; kt < nkt; ++kt) {
+            turn_begin();
+            turn_end(false);
+            produce(kt + AW_AHEAD);
+            release(kt);
+        }
+    };
+    if (64 * wg >= nq) {                              // a warpgroup without queries
+        pass_tiles(0);
+        turn_begin();                                 // turn nkt
+        turn_end(true);
+        cp_async_wait<0>();
+        return;
+    }
+#else
     if (64 * wg >= nq) {                              // a warpgroup without queries: the barriers only
         for (int kt = 0; kt < nkt; ++kt) next_tile(kt);
         return;
     }
+#endif
     {
         float s[NS][4];
         next_tile(0);
+        turn_begin();
         wg_fence();
         issue_s(s, 0);
+        turn_end(false);
+#if AW_MB
+        produce(AW_AHEAD);
+#endif
         wg_wait<0>();
         wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));   // no read of s above the wait
         softmax_pack(s, 0, false);
@@ -212,18 +301,31 @@ __device__ __forceinline__ void attn_wgmma_body(
     for (int kt = 1; kt < wg_nkt; ++kt) {
         float s[NS][4];
         next_tile(kt);
+        turn_begin();
         wg_fence();
         issue_s(s, kt);
         issue_pv(kt - 1);
+        turn_end(false);
+#if AW_MB
+        produce(kt + AW_AHEAD);
+#endif
         wg_wait<1>();                                 // S landed (groups complete in order)
         wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));
         softmax_pack(s, kt, true);
     }
+    turn_begin();                                     // turn wg_nkt
     wg_fence();
     issue_pv(wg_nkt - 1);
+    turn_end(wg_nkt == nkt);
     wg_wait<0>();
     wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
+#if AW_MB
+    release(wg_nkt - 1);
+    pass_tiles(wg_nkt);
+    cp_async_wait<0>();
+#else
     for (int kt = wg_nkt; kt < nkt; ++kt) next_tile(kt);   // the block's remaining barriers
+#endif
 
     if (idle) return;                                 // warp-uniform; no block barrier below
     at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);

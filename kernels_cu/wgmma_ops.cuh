@@ -17,10 +17,12 @@
 // chunk at address a sits at a ^ (((a >> 7) & 7) << 4) (1 KB aligned patterns of 8 rows x 128 B):
 //   K-major: row n (of 8-row groups SBO apart) holds 64 k in 128 B; a k16 step starts 32 B on;
 //   MN-major: row k (of 8-row groups SBO apart) holds 64 columns n in 128 B, the next 64 at LBO.
+// mbar_*, cp_async_mbar_arrive, named_bar_*: the barriers of the attention's pipeline and of the
+// GEMMs' bulk-copy stages.
 // Under the CPU emulator (GGP_EMU) wgmma_n computes its result at issue, for blocks of one to four
 // warpgroups (128 to 512 threads) in which every thread of an issuing warpgroup issues it (a
-// barrier of the warpgroup's 128 threads inside), with shared addresses as offsets from
-// wg_emu_smem.
+// barrier of the warpgroup's 128 threads inside, named barriers 1 to 4), with shared addresses
+// (descriptors, mbarriers) as offsets from wg_emu_smem.
 #pragma once
 #include "common.cuh"
 
@@ -56,6 +58,32 @@ __device__ __forceinline__ void wg_keep(u32 (&d)[N]) {
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
 // (wgmma operands read through descriptors); each writing thread, before the barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory mbarriers (init with an arrival count; arrive; wait until the phase of a parity has
+// completed) and the arrival that a thread's cp.asyncs make when they have all landed (.noinc: it
+// is one of the init count's arrivals); named barriers (bar.sync waits, bar.arrive only counts).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
 
 #define WG_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
 #define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(ACC), "n"(TB)
@@ -130,6 +158,32 @@ template <int N> inline void wg_wait() {}
 template <int N> inline void wg_keep(float (&)[N]) {}
 template <int N> inline void wg_keep(u32 (&)[N]) {}
 inline void fence_proxy_async() {}
+// An mbarrier: the pending count, then the init count (bits 1..) and the phase (bit 0).
+inline void mbar_init(u32 bar, u32 count) {
+    u32* m = (u32*)(wg_emu_smem + bar);
+    m[0] = count;
+    m[1] = count << 1;
+}
+inline void mbar_arrive(u32 bar) {
+    u32* m = (u32*)(wg_emu_smem + bar);
+    if (m[0] == 0) std::abort();
+    if (--m[0] == 0) {
+        m[0] = m[1] >> 1;
+        m[1] ^= 1;
+    }
+}
+inline void mbar_wait(u32 bar, u32 parity) {
+    for (long spin = 0; (((const u32*)(wg_emu_smem + bar))[1] & 1) == parity; ++spin) {
+        if (spin > 20000) {          // a few rounds suffice when the arrivals can come
+            std::fprintf(stderr, "mbar_wait: the phase of parity %u at %u never completes\n", parity, bar);
+            std::abort();
+        }
+        emu_yield();
+    }
+}
+inline void cp_async_mbar_arrive(u32 bar) { mbar_arrive(bar); }   // the emulated cp.async has landed
+inline void named_bar_sync(int id, int count) { emu_bar_sync(id, count); }
+inline void named_bar_arrive(int id, int count) { emu_bar_arrive(id, count); }
 // Element (row n of the M/N side, k) of a shared-memory operand read through descriptor desc
 // (TB: MN-major, else K-major); the layouts of the top comment.
 inline float wg_emu_elem(u64 desc, bool mn_major, int n, int k) {

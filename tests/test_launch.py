@@ -68,10 +68,10 @@ def test_define_value(monkeypatch):
 
     monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
     assert kernels.define_value("AW_NWG", 2) == 2 == wgmma_warpgroups()
-    assert attention_smem_bytes(128, "wgmma") == 224 * 1024
+    assert attention_smem_bytes(128, "wgmma") == 224 * 1024 + 3 * 16      # tiles, then mbarriers
     assert mmvq_warps() == 4
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3,MMVQ_NW=8 AW_BK=64,AW_STAGES=4")
-    assert wgmma_warpgroups() == 3 and attention_smem_bytes(128, "wgmma") == 176 * 1024
+    assert wgmma_warpgroups() == 3 and attention_smem_bytes(128, "wgmma") == 176 * 1024 + 4 * 16
     assert mmvq_warps() == 8
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_NWG=3")
     with pytest.raises(ValueError, match="240 KB of shared memory"):

@@ -6,8 +6,9 @@
 // their GGP_EMU branches replace the PTX, this header supplies the CUDA built-ins. Each CUDA thread of a block is a fiber (ucontext) on one OS thread;
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
 // __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
-// GPU); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when count
-// threads wait at id). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
+// GPU); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when the threads
+// waiting at id and those that passed it by emu_bar_arrive (bar.arrive) make count), and
+// emu_yield() lets the other fibers run (spin waits: mbarriers). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
 // __f*_rn intrinsics are exact; expf/sqrtf are the C library's (not bit-identical to CUDA's).
 // Only what the decode kernels use is here. GGP_EMU is defined for the few PTX-only helpers.
 #pragma once
@@ -64,6 +65,7 @@ struct Fiber {
 };
 static const int NBAR = 16;
 static int g_bar_count[NBAR];     // threads a named barrier waits for (its waiters' count argument)
+static int g_bar_arrived[NBAR];   // bar.arrive calls counted toward the barrier's next release
 static std::vector<Fiber> g_f;
 static std::vector<char> g_stack;
 static const size_t STACK = 192 * 1024;
@@ -95,6 +97,13 @@ inline void emu_bar_sync(int id, int count) {
     emu::g_cur->bar = id;
     emu::wait(emu::WAIT_NAMED);
 }
+
+inline void emu_bar_arrive(int id, int count) {
+    if (id <= 0 || id >= emu::NBAR) std::abort();
+    emu::g_bar_count[id] = count;
+    if (++emu::g_bar_arrived[id] > count) std::abort();
+}
+inline void emu_yield() { emu::wait(emu::RUN); }
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off) {
@@ -129,6 +138,7 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
         for (unsigned y = 0; y < gy; ++y)
             for (unsigned x = 0; x < gx; ++x) {
                 blockIdx = dim3{x, y, z};
+                std::fill(g_bar_arrived, g_bar_arrived + NBAR, 0);
                 for (unsigned i = 0; i < n; ++i) {
                     Fiber& f = g_f[i];
                     getcontext(&f.ctx);
@@ -170,9 +180,10 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
                     for (int b = 1; b < NBAR && !released; ++b) {
                         unsigned at = 0;
                         for (unsigned i = 0; i < n; ++i) at += g_f[i].state == WAIT_NAMED && g_f[i].bar == b;
-                        if (at && (int)at == g_bar_count[b]) {
+                        if (at && (int)at + g_bar_arrived[b] == g_bar_count[b]) {
                             for (unsigned i = 0; i < n; ++i)
                                 if (g_f[i].state == WAIT_NAMED && g_f[i].bar == b) g_f[i].state = RUN;
+                            g_bar_arrived[b] = 0;
                             released = true;
                         }
                     }

@@ -54,17 +54,18 @@ def wgmma_warpgroups() -> int:
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
-    wgmma AW_STAGES x (K, V) tiles of AW_BK keys and a 64-row Q tile per warpgroup."""
+    wgmma AW_STAGES x (K, V) tiles of AW_BK keys, a 64-row Q tile per warpgroup, then two 8-byte
+    mbarriers per stage."""
     if variant == "fa2":
-        rows = 5 * 64
-    else:
-        stages = kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
-        rows = 2 * stages * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
-        if rows * head_dim * 2 > SMEM_PER_BLOCK_MAX:
-            raise ValueError(f"attention_wgmma.cu at head size {head_dim} with GGUF_PREFILL_KERNEL_DEFINES="
-                             f"{os.environ.get('GGUF_PREFILL_KERNEL_DEFINES', '')!r} needs {rows * head_dim * 2 // 1024} "
-                             f"KB of shared memory, over the {SMEM_PER_BLOCK_MAX // 1024} KB of a block")
-    return rows * head_dim * 2
+        return 5 * 64 * head_dim * 2
+    stages = kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
+    rows = 2 * stages * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
+    nbytes = rows * head_dim * 2 + 16 * stages
+    if nbytes > SMEM_PER_BLOCK_MAX:
+        raise ValueError(f"attention_wgmma.cu at head size {head_dim} with GGUF_PREFILL_KERNEL_DEFINES="
+                         f"{os.environ.get('GGUF_PREFILL_KERNEL_DEFINES', '')!r} needs {nbytes // 1024} "
+                         f"KB of shared memory, over the {SMEM_PER_BLOCK_MAX // 1024} KB of a block")
+    return nbytes
 
 
 def prefill_grid(n_tiles: int, heads: int) -> tuple[int, int]:
