@@ -67,6 +67,9 @@
 #ifndef AW_PP
 #define AW_PP 0                           // 1 (with AW_MB, 2 warpgroups): their wgmma issues take turns
 #endif
+#ifndef AW_MB_FENCE
+#define AW_MB_FENCE 1                     // 0: a measurement only (what the proxy fence costs), unsafe
+#endif
 #define AW_PP_BAR 8                       // named barriers 8, 9: warpgroup w waits at 8 + w for its turn
 static_assert(!AW_PP || (AW_MB && AW_NWG == 2), "AW_PP: the mbarrier pipeline of two warpgroups");
 
@@ -213,7 +216,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     // every warp releases every tile of the block, its warpgroup's or not (the counts are fixed).
     auto next_tile = [&](int kt) {
         mbar_wait(full0 + 8 * (kt % AW_STAGES), (kt / AW_STAGES) & 1);
-        fence_proxy_async();
+        if (AW_MB_FENCE) fence_proxy_async();
     };
     auto release = [&](int kt) {
         if (lane == 0) mbar_arrive(empty0 + 8 * (kt % AW_STAGES));
