@@ -12,7 +12,8 @@
 //      s = sum(h) leaves the error -sum(e * d*sc*q4) (q4 >= 0) instead of -sum(e * W):
 //      about 2x the logit error on q4_K_M models (measured; docs/perf-log.md);
 //      hout float32 [R, K] = h when not null (tests).
-//      add_rmsnorm_x16: the same h as f16 into the Hopper GEMMs' tiled operand (x16_tiles.cuh).
+//      add_rmsnorm_x16: the same h as f16 into the Hopper GEMMs' tiled operand (x16_tiles.cuh),
+//      staged in shared memory and stored in 16-byte pieces.
 // Grid: R blocks of 256 threads (8 warps); thread t holds the float4s i = t + 256 j (elements
 // 4i..4i+3), j < K/1024 (rounded up; K/4 % 64 == 0, so whole warps are in or out): 16-byte
 // coalesced loads and stores; a q8_1 block is 8 consecutive lanes (shuffles xor 1, 2, 4).
@@ -99,13 +100,33 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
     }
 }
 
+// Row staging for add_rmsnorm_x16: st[kl] = the row's f16 at logical k kl, so piece
+// kl / 8 = 8 run + chunk (run kl / 64, chunk kl / 8 % 8) is st[8 piece .. 8 piece + 7]: the
+// token's Xt pieces back to back (in Xt piece q of token n is at wg_xt_index(n, 8 q, ngroups),
+// 128 bytes from the next chunk's). Same P(L) as wg_store_quad: elements k..k+3 (k % 4 == 0) have
+// p = k % 256, t = p / 64, hi = p / 32 % 2, m = p / 4 % 8 and go to L = (k & ~255) + 16 (2m + hi)
+// + 2t, L + 1 (h0, h2) and L + 8, L + 9 (h1, h3: chunk + 1, here + 8 elements where Xt has + 64);
+// 2t < 8, so both stay in one run. A warp's stores land in the even pieces 4m + 2hi of four
+// 128-byte lines, words t, t + 1 of each: 8 banks, 4-way conflicts (a few cycles a row).
+__device__ __forceinline__ void rn_stage_quad(u16* __restrict__ st, int k, const float4& h) {
+    const int p = k & 255, t = p >> 6, hi = (p >> 5) & 1, m = (p >> 2) & 7;
+    u32* dst = reinterpret_cast<u32*>(st + (k & ~255) + 16 * (2 * m + hi) + 2 * t);
+    dst[0] = wg_pack_f16x2(h.x, h.z);
+    dst[4] = wg_pack_f16x2(h.y, h.w);                  // + 8 elements: chunk + 1
+}
+
 // The same h as add_rmsnorm_q8_1 (bit for bit), written as f16 into the Hopper GEMMs' tiled
 // operand Xt (x16_tiles.cuh) of T rows (the grid's R = T rows; Xt zeroed past T by the caller).
+// Store path: h goes to shared memory in the tiles' order (rn_stage_quad: the row's K/8 16-byte
+// pieces back to back, up to 16 KB), then after a barrier each thread stores whole pieces
+// p = tid + 256 j (uint4) to Xt + wg_xt_index(r, 8 p, ngroups): one 16-byte store a piece where
+// the float4-per-thread form wrote its 4-byte words from four threads (swiglu_x16 likewise).
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
 add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                 u16* __restrict__ Xt, int K, float eps) {
     pdl_entry();
     __shared__ float red[RN_THREADS / 32];
+    __shared__ __align__(16) u16 st[RN_MAXJ * 4 * RN_THREADS];   // K <= 8192 f16: 16 KB
     const int r = blockIdx.x, tid = threadIdx.x, ngroups = (gridDim.x + 7) / 8;
     float4 v[RN_MAXJ];
     const float scale = rn_add_scale(v, x, y, r, K, eps, red);
@@ -113,9 +134,13 @@ add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float*
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = tid + RN_THREADS * j;
-        if (i < (K >> 2)) {
-            const float4 h = rn_h(v[j], scale, w4[i]);
-            wg_store_quad(Xt, r, 4 * i, ngroups, h.x, h.y, h.z, h.w);
-        }
+        if (i < (K >> 2)) rn_stage_quad(st, 4 * i, rn_h(v[j], scale, w4[i]));
+    }
+    __syncthreads();
+    const uint4* sp = reinterpret_cast<const uint4*>(st);
+#pragma unroll
+    for (int j = 0; j < RN_MAXJ / 2; ++j) {
+        const int p = tid + RN_THREADS * j;            // K/8 % 32 == 0: warp-uniform
+        if (p < (K >> 3)) *reinterpret_cast<uint4*>(Xt + wg_xt_index(r, 8 * p, ngroups)) = sp[p];
     }
 }
