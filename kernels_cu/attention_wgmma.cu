@@ -65,13 +65,13 @@
 #define AW_MB 0                           // 1: the mbarrier pipeline (no block barrier per tile)
 #endif
 #ifndef AW_PP
-#define AW_PP 0                           // 1 (with AW_MB, 2 warpgroups): their wgmma issues take turns
+#define AW_PP 0                           // 1 (with AW_MB): the warpgroups' wgmma issues take turns
 #endif
 #ifndef AW_MB_FENCE
 #define AW_MB_FENCE 1                     // 0: a measurement only (what the proxy fence costs), unsafe
 #endif
-#define AW_PP_BAR 8                       // named barriers 8, 9: warpgroup w waits at 8 + w for its turn
-static_assert(!AW_PP || (AW_MB && AW_NWG == 2), "AW_PP: the mbarrier pipeline of two warpgroups");
+#define AW_PP_BAR 8                       // named barriers 8 ..: warpgroup w waits at 8 + w for its turn
+static_assert(!AW_PP || AW_MB, "AW_PP: on the mbarrier pipeline");
 
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_body(
@@ -230,18 +230,20 @@ __device__ __forceinline__ void attn_wgmma_body(
         cp_async_commit();
     };
 #endif
-    // AW_PP (FA3's ping-pong): each warpgroup issues its wgmmas of a tile in turn, so one's softmax
-    // runs under the other's MMAs instead of both at once. Turn t of warpgroup w waits at barrier
-    // 8 + w for the other's turn t - 1 (warpgroup 1 lets warpgroup 0 start), and each warpgroup
-    // takes nkt + 1 turns (tiles, the last P V; a warpgroup past its last tile, or without queries,
-    // takes its turns without wgmmas), so every bar.sync meets its bar.arrive.
+    // AW_PP (FA3's ping-pong): the warpgroups issue their wgmmas of a tile in turn (0, 1, .., 0,
+    // ..), so one's softmax runs under the others' MMAs instead of all at once. Turn t of
+    // warpgroup w waits at barrier 8 + w for turn t of warpgroup w - 1 (t - 1 of the last one,
+    // which lets warpgroup 0 start), and each takes nkt + 1 turns (tiles, the last P V; a
+    // warpgroup past its last tile, or without queries, takes its turns without wgmmas), so every
+    // bar.sync meets its bar.arrive (the last warpgroup's last turn arrives nowhere).
+    constexpr int LASTWG = AW_NWG - 1;
     auto turn_begin = [&]() {
         if (AW_PP) named_bar_sync(AW_PP_BAR + wg, 256);
     };
     auto turn_end = [&](bool last) {
-        if (AW_PP && !(wg == 1 && last)) named_bar_arrive(AW_PP_BAR + 1 - wg, 256);
+        if (AW_PP && !(wg == LASTWG && last)) named_bar_arrive(AW_PP_BAR + (wg == LASTWG ? 0 : wg + 1), 256);
     };
-    if (AW_PP && wg == 1) named_bar_arrive(AW_PP_BAR, 256);
+    if (AW_PP && wg == LASTWG) named_bar_arrive(AW_PP_BAR, 256);
     // Mask and softmax of tile kt's S (corr kept); once the pending P V (of tile kt - 1) has
     // landed, o *= corr; P of tile kt packed for its P V.
     const int wg_nkt = wg_last / AW_BK + 1;           // the warpgroup's tiles (warpgroup-uniform)
