@@ -22,26 +22,34 @@
 // (s % 4) * 32. V as B of O (MN-major, k = key): LBO 8 KB (64 columns), SBO 1024 (8 keys), k16
 // step s at + s * 2 KB. Loaded by cp.async (a warp reads two whole key rows of HD = 128:
 // coalesced, and writes whole 128-byte rows: conflict-free), keys past the block's last query
-// zero-filled; then fence.proxy.async and a barrier before the wgmmas read them.
-// Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt's copies,
-// fence, barrier (every warpgroup past its P V of tile kt - AW_AHEAD, whose buffer the copies of
-// tile kt + AW_AHEAD then reuse: tiles kt - 1 (its V) and kt in use, AW_AHEAD loading); then S of tile kt and
-// P V of tile kt - 1 are issued together; wait for S; mask (tiles crossing a warp's diagonal) and
-// softmax (corr kept) while P V runs; wait for P V; o *= corr; P of tile kt packed. The
-// arithmetic on o is the plain sequence (+= P V, *= corr, ...), so the output bits are those of
-// S, softmax, P V in turn (and of attention_prefill.cu). The first tile and the last P V are
-// peeled: a wgmma under a branch makes ptxas serialize them all (C7520). wg_keep after each wait
-// pins the accumulators (and P) to it, so the compiler moves no use of them above it. A
-// warpgroup walks the tiles up to its last query's, then joins the remaining tiles' barriers; a
-// warpgroup without queries joins the barriers only. Warps of a warpgroup with queries whose own
-// rows are past them still take part (a wgmma is warpgroup-wide) and store nothing.
+// zero-filled.
+// Pipeline (no block barrier after the start; H100: 1.11-1.22x the per-tile __syncthreads form at
+// 4096@4096, docs/perf-log.md Session 20): a full and an empty mbarrier per stage. Every thread
+// copies its share of tile j, then cp.async.mbarrier.arrive.noinc on full[j] (the arrival lands
+// with its copies; count AW_NTH), so no thread waits for its own copies. A warpgroup waits for
+// full[kt] and fences (fence.proxy.async: the generic-proxy copies visible to its wgmmas), issues
+// its wgmmas, then copies tile kt + AW_AHEAD once that stage's empty mbarrier says every warp
+// (count AW_NTH / 32) released its previous tile; a warp releases tile kt - 1 when its P V has
+// completed. Every thread copies and every warp releases every tile of the block (a warpgroup
+// past its last tile, or without queries, too: the counts are fixed). A parity wait cannot pass on
+// a phase two ahead: that phase needs the waiter's own arrival first.
+// Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
+// (its V) and kt in use, AW_AHEAD loading); S of tile kt and P V of tile kt - 1 are issued together;
+// wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait
+// for P V; o *= corr; P of tile kt packed. With AW_PP the warpgroups issue in turn (FA3's
+// ping-pong). The arithmetic on o is the plain sequence (+= P V, *= corr, ...), so the output
+// bits are those of S, softmax, P V in turn (and of attention_prefill.cu). The first tile and the
+// last P V are peeled: a wgmma under a branch makes ptxas serialize them all (C7520). wg_keep
+// after each wait pins the accumulators (and P) to it, so the compiler moves no use of them
+// above it. Warps of a warpgroup with queries whose own rows are past them still take part (a
+// wgmma is warpgroup-wide) and store nothing.
 // A/B defines (GGUF_PREFILL_KERNEL_DEFINES; the launcher follows them): AW_NWG warpgroups per
-// block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3).
-// 128-key tiles halve the barriers, fences and softmax rounds per key (H200, 4096@4096: 1.11x
+// block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3),
+// AW_PP (1). 128-key tiles halve the fences and softmax rounds per key (H200, 4096@4096: 1.11x
 // the 64-key form; docs/perf-log.md, Session 18).
 // Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEAD, AT_TILE), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
-// bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers (AW_MB).
+// bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers.
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -61,17 +69,10 @@
 #endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
 #define AW_NTH (128 * AW_NWG)
-#ifndef AW_MB
-#define AW_MB 0                           // 1: the mbarrier pipeline (no block barrier per tile)
-#endif
 #ifndef AW_PP
-#define AW_PP 0                           // 1 (with AW_MB): the warpgroups' wgmma issues take turns
-#endif
-#ifndef AW_MB_FENCE
-#define AW_MB_FENCE 1                     // 0: a measurement only (what the proxy fence costs), unsafe
+#define AW_PP 1                           // the warpgroups' wgmma issues take turns (0: an A/B define)
 #endif
 #define AW_PP_BAR 8                       // named barriers 8 ..: warpgroup w waits at 8 + w for its turn
-static_assert(!AW_PP || AW_MB, "AW_PP: on the mbarrier pipeline");
 
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_body(
@@ -118,7 +119,6 @@ __device__ __forceinline__ void attn_wgmma_body(
 
     // Byte of the 16-byte chunk ch of row r in a swizzled tile whose atom columns are atom bytes.
     auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
-#if AW_MB
     const u32 full0 = sbase + QOFF + AW_BQ * ROWB;    // mbarrier of stage s: tile landed (every thread's copies)
     const u32 empty0 = full0 + 8 * AW_STAGES;         // ... and tile consumed (every warp done with it)
     if (tid == 0)
@@ -127,7 +127,6 @@ __device__ __forceinline__ void attn_wgmma_body(
             mbar_init(empty0 + 8 * st, AW_NTH / 32);
         }
     __syncthreads();                                  // initialized before any arrival
-#endif
     for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {  // warpgroup w's 64 rows: the tile at QOFF + w QTILE
         const int row = p / CH, ch = p % CH;
         const bool ok = row < nq;
@@ -147,7 +146,6 @@ __device__ __forceinline__ void attn_wgmma_body(
         at_copy_kv<AW_BK, KSTEP, HD>(dst, dst + TILE, 128, Kch, Vch, ((size_t)kt * AW_BK + kin0) * HD, kin0,
                                      (kt + 1) * AW_BK <= L, L - kt * AW_BK - kin0);
     };
-#if AW_MB
     // Tile j's copies by every thread, then its arrival on full[j % STAGES] once they have landed;
     // a stage's previous tile must have been released by every warp first.
     auto produce = [&](int j) {
@@ -162,17 +160,6 @@ __device__ __forceinline__ void attn_wgmma_body(
     cp_async_wait<0>();                               // Q (and the first tiles) landed
     fence_proxy_async();
     __syncthreads();
-#else
-    load_kv(0);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int j = 1; j < AW_AHEAD; ++j) {
-        if (j < nkt) load_kv(j);
-        cp_async_commit();
-    }
-#endif
 
     float o[HD / 8][4], mrow[2], lrow[2];
     at_init(o, mrow, lrow);
@@ -206,30 +193,15 @@ __device__ __forceinline__ void attn_wgmma_body(
             wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_add(vdesc, kk * 2048));
         wg_commit();
     };
-    // Top of key tile kt: tile kt visible to every wgmma; the barrier also means every warpgroup
-    // is past its P V of tile kt - AW_AHEAD, whose buffer the copies of tile kt + AW_AHEAD reuse.
-#if AW_MB
-    // The mbarrier pipeline: at the top of tile kt wait for it to land (fence: the copies, generic
-    // proxy, visible to this thread's wgmmas); after its wgmmas are issued, copy tile kt + AW_AHEAD;
-    // once the P V of tile kt - 1 is waited for, each warp releases that tile. The warpgroups meet
-    // nowhere else, so one may run up to about a tile ahead of the other. Every thread copies and
-    // every warp releases every tile of the block, its warpgroup's or not (the counts are fixed).
+    // Top of tile kt: wait for it to land, fence (the copies visible to this thread's wgmmas).
+    // A warp releases a tile once its P V of it has completed.
     auto next_tile = [&](int kt) {
         mbar_wait(full0 + 8 * (kt % AW_STAGES), (kt / AW_STAGES) & 1);
-        if (AW_MB_FENCE) fence_proxy_async();
+        fence_proxy_async();
     };
     auto release = [&](int kt) {
         if (lane == 0) mbar_arrive(empty0 + 8 * (kt % AW_STAGES));
     };
-#else
-    auto next_tile = [&](int kt) {
-        cp_async_wait<AW_AHEAD - 1>();                // this thread's copies of tile kt landed
-        fence_proxy_async();
-        __syncthreads();                              // every thread's, visible to the wgmmas
-        if (kt + AW_AHEAD < nkt) load_kv(kt + AW_AHEAD);
-        cp_async_commit();
-    };
-#endif
     // AW_PP (FA3's ping-pong): the warpgroups issue their wgmmas of a tile in turn (0, 1, .., 0,
     // ..), so one's softmax runs under the others' MMAs instead of all at once. Turn t of
     // warpgroup w waits at barrier 8 + w for turn t of warpgroup w - 1 (t - 1 of the last one,
@@ -257,16 +229,13 @@ __device__ __forceinline__ void attn_wgmma_body(
             wg_wait<0>();                             // P V of tile kt - 1 landed in o
             wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
             wg_keep(reinterpret_cast<u32(&)[NP * 4]>(pa));    // P's registers live until the wgmmas read them
-#if AW_MB
             release(kt - 1);
-#endif
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk) at_pack_p(pa[kk], s, kk);
     };
-#if AW_MB
     // Tiles kt0 .. nkt - 1 that the warpgroup does not read: their copies, releases and turns.
     auto pass_tiles = [&](int kt0) {
         for (int kt = kt0; kt < nkt; ++kt) {
@@ -280,15 +249,10 @@ __device__ __forceinline__ void attn_wgmma_body(
         pass_tiles(0);
         turn_begin();                                 // turn nkt
         turn_end(true);
-        cp_async_wait<0>();
+        cp_async_commit();
+        cp_async_wait<0>();                           // this thread's last copies landed
         return;
     }
-#else
-    if (64 * wg >= nq) {                              // a warpgroup without queries: the barriers only
-        for (int kt = 0; kt < nkt; ++kt) next_tile(kt);
-        return;
-    }
-#endif
     {
         float s[NS][4];
         next_tile(0);
@@ -296,9 +260,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         wg_fence();
         issue_s(s, 0);
         turn_end(false);
-#if AW_MB
         produce(AW_AHEAD);
-#endif
         wg_wait<0>();
         wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));   // no read of s above the wait
         softmax_pack(s, 0, false);
@@ -311,9 +273,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         issue_s(s, kt);
         issue_pv(kt - 1);
         turn_end(false);
-#if AW_MB
         produce(kt + AW_AHEAD);
-#endif
         wg_wait<1>();                                 // S landed (groups complete in order)
         wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));
         softmax_pack(s, kt, true);
@@ -324,13 +284,10 @@ __device__ __forceinline__ void attn_wgmma_body(
     turn_end(wg_nkt == nkt);
     wg_wait<0>();
     wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
-#if AW_MB
     release(wg_nkt - 1);
     pass_tiles(wg_nkt);
-    cp_async_wait<0>();
-#else
-    for (int kt = wg_nkt; kt < nkt; ++kt) next_tile(kt);   // the block's remaining barriers
-#endif
+    cp_async_commit();
+    cp_async_wait<0>();                               // this thread's last copies landed
 
     if (idle) return;                                 // warp-uniform; no block barrier below
     at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
