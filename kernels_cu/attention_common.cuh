@@ -198,9 +198,15 @@ __device__ __forceinline__ void at_mask(float (&s)[NS][4], int k0, int prow, int
 // updated; returns corr, the factor that row of o is to be scaled by.
 template <int NS>
 __device__ __forceinline__ float at_softmax_row(float (&s)[NS][4], float (&mrow)[2], float (&lrow)[2], int r) {
-    float mx = AT_NEG_INF;
+    // The row max over 4 interleaved chains, then 2 levels (max is exact in any order: the same
+    // bits as one chain, a quarter of its dependent FMNMX latency).
+    static_assert(NS >= 4, "4 chains");
+    float m4[4];
 #pragma unroll
-    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    for (int j = 0; j < 4; ++j) m4[j] = fmaxf(s[j][2 * r], s[j][2 * r + 1]);
+#pragma unroll
+    for (int j = 4; j < NS; ++j) m4[j & 3] = fmaxf(m4[j & 3], fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float mnew = fmaxf(mrow[r], mx);
