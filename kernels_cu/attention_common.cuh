@@ -30,8 +30,22 @@
 // H) grid repeated long .. short once per head (H100, attention 1.02-1.15x at 4096@4096 and
 // 1.04-1.28x at 3314@0; docs/perf-log.md, Session 19). The heads of one KV group also run side
 // by side (K/V from L2).
-#define AT_HEAD blockIdx.x
-#define AT_TILE blockIdx.y
+// AT_HGROUP = G > 0 (an A/B define; off by default): the blocks go out a group of G heads at a
+// time (heads fastest within it), so the K/V that the blocks in flight read is G heads' (L2
+// working set), not every head's; launch order = linear block id, so block (x, y) takes the pair
+// (head, tile) of the id's place in that order. Off, or G not dividing H: the grid as launched.
+#ifndef AT_HGROUP
+#define AT_HGROUP 0
+#endif
+__device__ __forceinline__ int2 at_head_tile() {
+    const int H = (int)gridDim.x, G = AT_HGROUP;
+    if (G <= 0 || H % G) return make_int2((int)blockIdx.x, (int)blockIdx.y);
+    const int nt = (int)gridDim.y, b = (int)blockIdx.x + H * (int)blockIdx.y;
+    const int grp = b / (G * nt), rem = b - grp * G * nt;
+    return make_int2(grp * G + rem % G, rem / G);
+}
+#define AT_HEAD (at_head_tile().x)
+#define AT_TILE (at_head_tile().y)
 #define AT_NTILES gridDim.y
 
 #ifndef GGP_EMU

@@ -43,11 +43,13 @@ struct dim3 {
 };
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
+struct int2 { int x, y; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return float2{a, b}; }
+inline int2 make_int2(int a, int b) { return int2{a, b}; }
 
 using std::max;
 using std::min;
