@@ -34,6 +34,9 @@
 // time (heads fastest within it), so the K/V that the blocks in flight read is G heads' (L2
 // working set), not every head's; launch order = linear block id, so block (x, y) takes the pair
 // (head, tile) of the id's place in that order. Off, or G not dividing H: the grid as launched.
+#ifndef AT_LSUM4
+#define AT_LSUM4 0                          // 1: at_softmax_row's row sum in 4 chains (A/B define)
+#endif
 #ifndef AT_HGROUP
 #define AT_HGROUP 0
 #endif
@@ -228,12 +231,24 @@ __device__ __forceinline__ float at_softmax_row(float (&s)[NS][4], float (&mrow)
     const float corr = exp2f(mrow[r] - muse);
     mrow[r] = mnew;
     float ls = 0.0f;
+#if AT_LSUM4
+    // A/B define: the row sum over 4 interleaved chains (other rounding than the one chain).
+    float l4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+        s[j][2 * r] = exp2f(s[j][2 * r] - muse);
+        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
+        l4[j & 3] += s[j][2 * r] + s[j][2 * r + 1];
+    }
+    ls = (l4[0] + l4[1]) + (l4[2] + l4[3]);
+#else
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
         s[j][2 * r] = exp2f(s[j][2 * r] - muse);
         s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
         ls += s[j][2 * r] + s[j][2 * r + 1];
     }
+#endif
     lrow[r] = fmaf(lrow[r], corr, ls);
     return corr;
 }
