@@ -56,7 +56,8 @@ __device__ __forceinline__ void wg_keep(u32 (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i]) :: "memory");
 }
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
-// (wgmma operands read through descriptors); each writing thread, before the barrier.
+// (wgmma operands read through descriptors): by each writing thread before a barrier, or by a
+// reading thread once an mbarrier says the copies landed (the attention's pipeline).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Shared-memory mbarriers (init with an arrival count; arrive; wait until the phase of a parity has
