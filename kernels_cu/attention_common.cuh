@@ -152,8 +152,9 @@ __device__ __forceinline__ void at_stage_q(saddr sQ, const u16* __restrict__ Qh,
 // thread's fixed offsets plus constants. dk / dv: row kin0's chunk in the K / V tile; kch_k /
 // kch_v: chunk kch of key 0; row: element offset of key kin0 of the tile; whole: every key of
 // the tile is below L (block-uniform; no bounds test), else copy i holds a key while
-// KSTEP i < left (= L - first key of the tile - kin0) and the rest are zero-filled.
-template <int BK, int KSTEP, int HD>
+// KSTEP i < left (= L - first key of the tile - kin0) and the rest are zero-filled. COPY_V false:
+// the K tile only (dv, kch_v unused).
+template <int BK, int KSTEP, int HD, bool COPY_V = true>
 __device__ __forceinline__ void at_copy_kv(saddr dk, saddr dv, u32 srow, const u16* kch_k, const u16* kch_v,
                                            size_t row, int kin0, bool whole, int left) {
     constexpr int KCOPIES = (BK + KSTEP - 1) / KSTEP;
@@ -165,7 +166,7 @@ __device__ __forceinline__ void at_copy_kv(saddr dk, saddr dv, u32 srow, const u
         for (int i = 0; i < KCOPIES; ++i) {
             if (BK % KSTEP && kin0 + i * KSTEP >= BK) break;   // 3 warpgroups: 24 rows a step
             cp_async16(dk + i * KSTEP * srow, k + i * KSTEP * HD, 16);
-            cp_async16(dv + i * KSTEP * srow, v + i * KSTEP * HD, 16);
+            if (COPY_V) cp_async16(dv + i * KSTEP * srow, v + i * KSTEP * HD, 16);
         }
         return;
     }
@@ -175,7 +176,7 @@ __device__ __forceinline__ void at_copy_kv(saddr dk, saddr dv, u32 srow, const u
         const bool ok = i * KSTEP < left;
         const size_t off = ok ? row + (size_t)i * KSTEP * HD : 0;   // else key 0, zero-filled
         cp_async16(dk + i * KSTEP * srow, kch_k + off, ok ? 16 : 0);
-        cp_async16(dv + i * KSTEP * srow, kch_v + off, ok ? 16 : 0);
+        if (COPY_V) cp_async16(dv + i * KSTEP * srow, kch_v + off, ok ? 16 : 0);
     }
 }
 

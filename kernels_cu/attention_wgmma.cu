@@ -28,13 +28,17 @@
 // copies its share of tile j, then cp.async.mbarrier.arrive.noinc on full[j] (the arrival lands
 // with its copies; count AW_NTH), so no thread waits for its own copies. A warpgroup waits for
 // full[kt] and fences (fence.proxy.async: the generic-proxy copies visible to its wgmmas), issues
-// its wgmmas, then copies tile kt + AW_AHEAD once that stage's empty mbarrier says every warp
-// (count AW_NTH / 32) released its previous tile; a warp releases tile kt - 1 when its P V has
-// completed. Every thread copies and every warp releases every tile of the block (a warpgroup
-// past its last tile, or without queries, too: the counts are fixed). A parity wait cannot pass on
-// a phase two ahead: that phase needs the waiter's own arrival first.
+// its wgmmas, then copies tile kt + AW_STAGES - 2 once that stage's empty mbarrier says every
+// warp (count AW_NTH / 32) released its previous tile; a warp releases tile kt - 1 when its P V
+// has completed. Every thread copies and every warp releases every tile of the block (a warpgroup
+// past its last tile, or without queries, too: the counts are fixed). A parity wait cannot pass
+// on a phase two ahead: that phase needs the waiter's own arrival first.
+// AW_SPLIT=1 (A/B define): K and V in rings of their own (AW_KST, AW_VST buffers, each with its
+// full / empty pair): a K tile is released once S has landed, so the same shared memory holds
+// tiles further ahead (K kt + AW_KST - 1, V kt + AW_VST - 2). The emulator's copies land at issue,
+// so it cannot see a missing wait for V (full of K kt does not cover V kt - 1 on the GPU).
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
-// (its V) and kt in use, AW_AHEAD loading); S of tile kt and P V of tile kt - 1 are issued together;
+// (its V) and kt in use, the rest loading); S of tile kt and P V of tile kt - 1 are issued together;
 // wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait
 // for P V; o *= corr; P of tile kt packed. With AW_PP the warpgroups issue in turn (FA3's
 // ping-pong). The arithmetic on o is the plain sequence (+= P V, *= corr, ...), so the output
@@ -59,7 +63,30 @@
 #ifndef AW_STAGES
 #define AW_STAGES 3                       // K/V stages: tiles kt - 1 (its V) and kt in use, 1 loading
 #endif
-#define AW_AHEAD (AW_STAGES - 2)          // tiles loaded ahead of the one in use
+#ifndef AW_SPLIT
+#define AW_SPLIT 0                        // 1 (A/B define): K and V in rings of their own (below)
+#endif
+#ifndef AW_KST
+#define AW_KST 3                          // AW_SPLIT: K tiles (kt in use until S lands, 2 loading)
+#endif
+#ifndef AW_VST
+#define AW_VST 3                          // AW_SPLIT: V tiles (kt - 1 in use, kt landed, 1 loading)
+#endif
+#if AW_SPLIT
+#define AW_KN AW_KST                      // K ring, V ring (buffers each)
+#define AW_VN AW_VST
+#define AW_KAHEAD (AW_KST - 1)            // K tiles loaded ahead of the one S reads
+#define AW_VAHEAD (AW_VST - 2)            // V tiles loaded ahead of the one S reads
+#define AW_NBUF (AW_KST + AW_VST)         // K / V tile buffers
+#define AW_NBAR (2 * (AW_KST + AW_VST))   // mbarriers
+#else
+#define AW_KN AW_STAGES                   // one ring of stages, each a K and a V tile
+#define AW_VN AW_STAGES
+#define AW_KAHEAD (AW_STAGES - 2)         // tiles loaded ahead of the one in use
+#define AW_VAHEAD (AW_STAGES - 2)
+#define AW_NBUF (2 * AW_STAGES)
+#define AW_NBAR (2 * AW_STAGES)
+#endif
 #ifndef AW_V_LBO                          // V (MN-major, 128-byte swizzle): LBO = the next 64 columns
 #define AW_V_LBO ATOM                     // (atom column), SBO = the next 8 keys (PTX ISA / CUTLASS's
 #define AW_V_SBO 1024                     // canonical MN-major form); defines swap them for checks
@@ -86,12 +113,14 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr int NP = AW_BK / 16;        // k16 steps of P V
     constexpr int TILE = AW_BK * ROWB;    // bytes of one K or V tile
     constexpr int QTILE = 64 * ROWB;      // bytes of one warpgroup's Q tile
-    constexpr int STAGE = 2 * TILE;       // K and V
+    // Buffer of K tile j and of V tile j: the stage's halves, or the two rings (K first).
+    auto kbuf = [](int j) -> u32 { return AW_SPLIT ? (j % AW_KN) * TILE : (j % AW_KN) * 2 * TILE; };
+    auto vbuf = [](int j) -> u32 { return AW_SPLIT ? (AW_KN + j % AW_VN) * TILE : (j % AW_VN) * 2 * TILE + TILE; };
     constexpr u32 ATOM = AW_BK * 128;     // bytes of one 64-column atom column of a K / V tile
     constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
-    constexpr u32 QOFF = AW_STAGES * STAGE;   // the swizzled Q tiles (QTILE per warpgroup)
+    constexpr u32 QOFF = AW_NBUF * TILE;  // the swizzled Q tiles (QTILE per warpgroup)
     static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
-    static_assert(AW_AHEAD >= 1, "at least one tile loading");
+    static_assert(AW_KAHEAD >= 1 && AW_VAHEAD >= 0, "at least one tile loading");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
 
 #ifndef GGP_EMU
@@ -102,7 +131,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    if (dyn_smem_bytes() < QOFF + AW_BQ * ROWB + 16 * AW_STAGES || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
+    if (dyn_smem_bytes() < QOFF + AW_BQ * ROWB + 8 * AW_NBAR || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -119,13 +148,21 @@ __device__ __forceinline__ void attn_wgmma_body(
 
     // Byte of the 16-byte chunk ch of row r in a swizzled tile whose atom columns are atom bytes.
     auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
-    const u32 full0 = sbase + QOFF + AW_BQ * ROWB;    // mbarrier of stage s: tile landed (every thread's copies)
-    const u32 empty0 = full0 + 8 * AW_STAGES;         // ... and tile consumed (every warp done with it)
-    if (tid == 0)
-        for (int st = 0; st < AW_STAGES; ++st) {
-            mbar_init(full0 + 8 * st, AW_NTH);
-            mbar_init(empty0 + 8 * st, AW_NTH / 32);
+    // mbarriers of buffer b of a ring: full (the tile landed: every thread's copies) and empty
+    // (every warp done with it); one ring's (the stages') serve K and V unless AW_SPLIT.
+    const u32 kfull0 = sbase + QOFF + AW_BQ * ROWB, kempty0 = kfull0 + 8 * AW_KN;
+    const u32 vfull0 = AW_SPLIT ? kempty0 + 8 * AW_KN : kfull0;
+    const u32 vempty0 = AW_SPLIT ? vfull0 + 8 * AW_VN : kempty0;
+    if (tid == 0) {
+        for (int b = 0; b < AW_KN; ++b) {
+            mbar_init(kfull0 + 8 * b, AW_NTH);
+            mbar_init(kempty0 + 8 * b, AW_NTH / 32);
         }
+        for (int b = 0; AW_SPLIT && b < AW_VN; ++b) {
+            mbar_init(vfull0 + 8 * b, AW_NTH);
+            mbar_init(vempty0 + 8 * b, AW_NTH / 32);
+        }
+    }
     __syncthreads();                                  // initialized before any arrival
     for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {  // warpgroup w's 64 rows: the tile at QOFF + w QTILE
         const int row = p / CH, ch = p % CH;
@@ -141,21 +178,37 @@ __device__ __forceinline__ void attn_wgmma_body(
     const saddr kvdst = s0 + sw(ATOM, kin0, kch);
     const u16* Kch = Kh + kch * 8;
     const u16* Vch = Vh + kch * 8;
-    auto load_kv = [&](int kt) {
-        const saddr dst = kvdst + (kt % AW_STAGES) * STAGE;
-        at_copy_kv<AW_BK, KSTEP, HD>(dst, dst + TILE, 128, Kch, Vch, ((size_t)kt * AW_BK + kin0) * HD, kin0,
-                                     (kt + 1) * AW_BK <= L, L - kt * AW_BK - kin0);
+    // Tile j's K (COPY_V: and V; at_copy_kv's V pointers then) of this thread into its buffer.
+    auto load = [&](int j, const u16* src, saddr dst, saddr dst_v) {
+        at_copy_kv<AW_BK, KSTEP, HD, !AW_SPLIT>(dst, dst_v, 128, src, Vch, ((size_t)j * AW_BK + kin0) * HD, kin0,
+                                                (j + 1) * AW_BK <= L, L - j * AW_BK - kin0);
     };
-    // Tile j's copies by every thread, then its arrival on full[j % STAGES] once they have landed;
-    // a stage's previous tile must have been released by every warp first.
-    auto produce = [&](int j) {
+    // Tile j's copies in a ring of n buffers: once every warp released the buffer's previous tile,
+    // this thread's copies, then its arrival on the buffer's full mbarrier when they have landed.
+    auto claim = [&](u32 empty0, int n, int j) {
+        if (j >= n) mbar_wait(empty0 + 8 * (j % n), (j / n - 1) & 1);
+    };
+    auto produce_k = [&](int j) {
         if (j >= nkt) return;
-        if (j >= AW_STAGES) mbar_wait(empty0 + 8 * (j % AW_STAGES), (j / AW_STAGES - 1) & 1);
-        load_kv(j);
-        cp_async_mbar_arrive(full0 + 8 * (j % AW_STAGES));
+        claim(kempty0, AW_KN, j);
+        load(j, Kch, kvdst + kbuf(j), kvdst + vbuf(j));
+        cp_async_mbar_arrive(kfull0 + 8 * (j % AW_KN));
+    };
+    auto produce_v = [&](int j) {
+        if (!AW_SPLIT || j >= nkt) return;
+        claim(vempty0, AW_VN, j);
+        load(j, Vch, kvdst + vbuf(j), 0);
+        cp_async_mbar_arrive(vfull0 + 8 * (j % AW_VN));
+    };
+    // The copies a thread issues at key tile kt (after its wgmmas; for the tiles it passes).
+    auto produce = [&](int kt) {
+        produce_k(kt + AW_KAHEAD);
+        produce_v(kt + AW_VAHEAD);
     };
 #pragma unroll
-    for (int j = 0; j < AW_AHEAD; ++j) produce(j);
+    for (int j = 0; j < AW_KAHEAD; ++j) produce_k(j);
+#pragma unroll
+    for (int j = 0; j < AW_VAHEAD; ++j) produce_v(j);
     cp_async_commit();
     cp_async_wait<0>();                               // Q (and the first tiles) landed
     fence_proxy_async();
@@ -170,10 +223,10 @@ __device__ __forceinline__ void attn_wgmma_body(
     // stage is then one add to the start field (wg_desc_add), not a mask-shift-or per wgmma.
     const u64 qdesc = wg_desc_sw128(sbase + QOFF + wg * QTILE, 16, 1024);
     const u64 kdesc0 = wg_desc_sw128(sbase, 16, 1024);
-    const u64 vdesc0 = wg_desc_sw128(sbase + TILE, AW_V_LBO, AW_V_SBO);
+    const u64 vdesc0 = wg_desc_sw128(sbase, AW_V_LBO, AW_V_SBO);
     // S = Q K^T of tile kt into s (issued and committed; not waited for).
     auto issue_s = [&](float (&s)[NS][4], int kt) {
-        const u64 kdesc = wg_desc_add(kdesc0, (kt % AW_STAGES) * STAGE);
+        const u64 kdesc = wg_desc_add(kdesc0, kbuf(kt));
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             const u32 kstep = (kk >> 2) * ATOM + (kk & 3) * 32;   // k16 step kk of a swizzled tile
@@ -187,20 +240,28 @@ __device__ __forceinline__ void attn_wgmma_body(
     u32 pa[NP][4];                                    // P of the tile, the A operand of P V
     // O += P V of tile kt (issued and committed; not waited for).
     auto issue_pv = [&](int kt) {
-        const u64 vdesc = wg_desc_add(vdesc0, (kt % AW_STAGES) * STAGE);
+        const u64 vdesc = wg_desc_add(vdesc0, vbuf(kt));
 #pragma unroll
         for (int kk = 0; kk < NP; ++kk)
             wgmma_n<HD, 1, 1>(reinterpret_cast<float(&)[HD / 2]>(o), pa[kk], wg_desc_add(vdesc, kk * 2048));
         wg_commit();
     };
-    // Top of tile kt: wait for it to land, fence (the copies visible to this thread's wgmmas).
-    // A warp releases a tile once its P V of it has completed.
+    // Top of tile kt: wait for its K (AW_SPLIT: and for the V of tile kt - 1) to land, fence (the
+    // copies visible to this thread's wgmmas). A warp releases tile kt's K once its S has landed
+    // (AW_SPLIT), its V (else the stage) once its P V has.
+    auto wait_v = [&](int kt) {
+        if (AW_SPLIT && kt >= 0) mbar_wait(vfull0 + 8 * (kt % AW_VN), (kt / AW_VN) & 1);
+    };
     auto next_tile = [&](int kt) {
-        mbar_wait(full0 + 8 * (kt % AW_STAGES), (kt / AW_STAGES) & 1);
+        mbar_wait(kfull0 + 8 * (kt % AW_KN), (kt / AW_KN) & 1);
+        wait_v(kt - 1);
         fence_proxy_async();
     };
+    auto release_k = [&](int kt) {
+        if (AW_SPLIT && lane == 0) mbar_arrive(kempty0 + 8 * (kt % AW_KN));
+    };
     auto release = [&](int kt) {
-        if (lane == 0) mbar_arrive(empty0 + 8 * (kt % AW_STAGES));
+        if (lane == 0) mbar_arrive(vempty0 + 8 * (kt % AW_VN));
     };
     // AW_PP (FA3's ping-pong): the warpgroups issue their wgmmas of a tile in turn (0, 1, .., 0,
     // ..), so one's softmax runs under the others' MMAs instead of all at once. Turn t of
@@ -241,7 +302,8 @@ __device__ __forceinline__ void attn_wgmma_body(
         for (int kt = kt0; kt < nkt; ++kt) {
             turn_begin();
             turn_end(false);
-            produce(kt + AW_AHEAD);
+            produce(kt);
+            release_k(kt);
             release(kt);
         }
     };
@@ -260,9 +322,10 @@ __device__ __forceinline__ void attn_wgmma_body(
         wg_fence();
         issue_s(s, 0);
         turn_end(false);
-        produce(AW_AHEAD);
+        produce(0);
         wg_wait<0>();
         wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));   // no read of s above the wait
+        release_k(0);
         softmax_pack(s, 0, false);
     }
     for (int kt = 1; kt < wg_nkt; ++kt) {
@@ -273,10 +336,15 @@ __device__ __forceinline__ void attn_wgmma_body(
         issue_s(s, kt);
         issue_pv(kt - 1);
         turn_end(false);
-        produce(kt + AW_AHEAD);
+        produce(kt);
         wg_wait<1>();                                 // S landed (groups complete in order)
         wg_keep(reinterpret_cast<float(&)[NS * 4]>(s));
+        release_k(kt);
         softmax_pack(s, kt, true);
+    }
+    if (AW_SPLIT) {
+        wait_v(wg_nkt - 1);
+        fence_proxy_async();
     }
     turn_begin();                                     // turn wg_nkt
     wg_fence();

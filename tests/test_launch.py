@@ -73,6 +73,8 @@ def test_define_value(monkeypatch):
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3,MMVQ_NW=8 AW_BK=64,AW_STAGES=4")
     assert wgmma_warpgroups() == 3 and attention_smem_bytes(128, "wgmma") == 176 * 1024 + 4 * 16
     assert mmvq_warps() == 8
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_SPLIT=1")     # 3 K + 3 V tiles, 12 mbarriers
+    assert attention_smem_bytes(128, "wgmma") == 224 * 1024 + 12 * 8
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_NWG=3")
     with pytest.raises(ValueError, match="240 KB of shared memory"):
         attention_smem_bytes(128, "wgmma")

@@ -54,13 +54,18 @@ def wgmma_warpgroups() -> int:
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
-    wgmma AW_STAGES x (K, V) tiles of AW_BK keys, a 64-row Q tile per warpgroup, then two 8-byte
-    mbarriers per stage."""
+    wgmma AW_STAGES x (K, V) tiles of AW_BK keys (AW_SPLIT: AW_KST K and AW_VST V tiles), a 64-row
+    Q tile per warpgroup, then two 8-byte mbarriers per stage (AW_SPLIT: per tile buffer)."""
     if variant == "fa2":
         return 5 * 64 * head_dim * 2
-    stages = kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
-    rows = 2 * stages * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
-    nbytes = rows * head_dim * 2 + 16 * stages
+    split = kernels.define_value("AW_SPLIT", 0)     # K and V rings of their own (an A/B define)
+    if split:
+        tiles = kernels.define_value("AW_KST", 3) + kernels.define_value("AW_VST", 3)
+    else:
+        tiles = 2 * kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
+    rows = tiles * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
+    mbarriers = 2 * tiles if split else tiles       # full + empty per buffer, or per K+V stage
+    nbytes = rows * head_dim * 2 + 8 * mbarriers
     if nbytes > SMEM_PER_BLOCK_MAX:
         raise ValueError(f"attention_wgmma.cu at head size {head_dim} with GGUF_PREFILL_KERNEL_DEFINES="
                          f"{os.environ.get('GGUF_PREFILL_KERNEL_DEFINES', '')!r} needs {nbytes // 1024} "
