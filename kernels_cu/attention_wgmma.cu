@@ -53,7 +53,8 @@
 // the 64-key form; docs/perf-log.md, Session 18).
 // Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEAD, AT_TILE), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
-// bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers.
+// bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers (AW_SPLIT: AW_KST + AW_VST
+// tiles in place of the stages, two mbarriers each).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -75,8 +76,8 @@
 #if AW_SPLIT
 #define AW_KN AW_KST                      // K ring, V ring (buffers each)
 #define AW_VN AW_VST
-#define AW_KAHEAD (AW_KST - 1)            // K tiles loaded ahead of the one S reads
-#define AW_VAHEAD (AW_VST - 2)            // V tiles loaded ahead of the one S reads
+#define AW_KAHEAD (AW_KST - 1)            // at key tile kt the copies of K tile kt + AW_KAHEAD
+#define AW_VAHEAD (AW_VST - 2)            // and of V tile kt + AW_VAHEAD are issued
 #define AW_NBUF (AW_KST + AW_VST)         // K / V tile buffers
 #define AW_NBAR (2 * (AW_KST + AW_VST))   // mbarriers
 #else
@@ -178,7 +179,8 @@ __device__ __forceinline__ void attn_wgmma_body(
     const saddr kvdst = s0 + sw(ATOM, kin0, kch);
     const u16* Kch = Kh + kch * 8;
     const u16* Vch = Vh + kch * 8;
-    // Tile j's K (COPY_V: and V; at_copy_kv's V pointers then) of this thread into its buffer.
+    // This thread's copies of tile j from src (K; under AW_SPLIT K or V) into dst, and without
+    // AW_SPLIT of its V into dst_v.
     auto load = [&](int j, const u16* src, saddr dst, saddr dst_v) {
         at_copy_kv<AW_BK, KSTEP, HD, !AW_SPLIT>(dst, dst_v, 128, src, Vch, ((size_t)j * AW_BK + kin0) * HD, kin0,
                                                 (j + 1) * AW_BK <= L, L - j * AW_BK - kin0);
@@ -219,8 +221,8 @@ __device__ __forceinline__ void attn_wgmma_body(
     const int wfirst = pos0 + warp * 16;              // position of the warp's first query
     const int prow = wfirst + g;                      // rows g and g + 8
 
-    // Descriptors: encoded once (the warpgroup's Q tile, stage 0's K and V tiles); a k16 step or a
-    // stage is then one add to the start field (wg_desc_add), not a mask-shift-or per wgmma.
+    // Descriptors: encoded once (the warpgroup's Q tile, the tile buffers' base); a k16 step or a
+    // buffer is then one add to the start field (wg_desc_add), not a mask-shift-or per wgmma.
     const u64 qdesc = wg_desc_sw128(sbase + QOFF + wg * QTILE, 16, 1024);
     const u64 kdesc0 = wg_desc_sw128(sbase, 16, 1024);
     const u64 vdesc0 = wg_desc_sw128(sbase, AW_V_LBO, AW_V_SBO);
