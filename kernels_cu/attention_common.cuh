@@ -84,11 +84,9 @@ static u32 at_emu_frag[32][32][6];
 inline saddr smem_u32(const void* p) { return (saddr)p; }
 inline u32 dyn_smem_bytes() { return AT_SMEM_MAX; }
 inline void __trap() { std::abort(); }
-inline void cp_async16(saddr dst, const void* src, int n) {
-    if (n == 16) std::memcpy((void*)dst, src, 16); else std::memset((void*)dst, 0, 16);
-}
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
+inline void cp_async16(saddr dst, const void* src, int n) { emu_cp_async((void*)dst, src, n); }   // lands late
+inline void cp_async_commit() { emu_cp_async_commit(); }
+template <int N> inline void cp_async_wait() { emu_cp_async_wait(N); }
 inline float at_h2f(u32 w, int hi) { return f16_to_f32((u16)(hi ? w >> 16 : w & 0xFFFF)); }
 inline void at_ldsm(u32& r0, u32& r1, u32& r2, u32& r3, saddr addr, bool trans) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;

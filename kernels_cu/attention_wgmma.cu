@@ -35,8 +35,7 @@
 // on a phase two ahead: that phase needs the waiter's own arrival first.
 // AW_SPLIT=1 (A/B define): K and V in rings of their own (AW_KST, AW_VST buffers, each with its
 // full / empty pair): a K tile is released once S has landed, so the same shared memory holds
-// tiles further ahead (K kt + AW_KST - 1, V kt + AW_VST - 2). The emulator's copies land at issue,
-// so it cannot see a missing wait for V (full of K kt does not cover V kt - 1 on the GPU).
+// tiles further ahead (K kt + AW_KST - 1, V kt + AW_VST - 2).
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
 // (its V) and kt in use, the rest loading); S of tile kt and P V of tile kt - 1 are issued together;
 // wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait

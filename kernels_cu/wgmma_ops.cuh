@@ -182,7 +182,7 @@ inline void mbar_wait(u32 bar, u32 parity) {
         emu_yield();
     }
 }
-inline void cp_async_mbar_arrive(u32 bar) { mbar_arrive(bar); }   // the emulated cp.async has landed
+inline void cp_async_mbar_arrive(u32 bar) { emu_cp_async_arrive(mbar_arrive, bar); }   // when the copies land
 inline void named_bar_sync(int id, int count) { emu_bar_sync(id, count); }
 inline void named_bar_arrive(int id, int count) { emu_bar_arrive(id, count); }
 // Element (row n of the M/N side, k) of a shared-memory operand read through descriptor desc

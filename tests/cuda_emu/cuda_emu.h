@@ -6,7 +6,8 @@
 // their GGP_EMU branches replace the PTX, this header supplies the CUDA built-ins. Each CUDA thread of a block is a fiber (ucontext) on one OS thread;
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
 // __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
-// GPU); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when the threads
+// GPU); cp.async copies land late (emu_cp_async: at wait_group, at thread exit, or one arrival
+// at a time when the block is otherwise stuck); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when the threads
 // waiting at id and those that passed it by emu_bar_arrive (bar.arrive) make count), and
 // emu_yield() lets the other fibers run (spin waits: mbarriers). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
 // __f*_rn intrinsics are exact; expf/sqrtf are the C library's (not bit-identical to CUDA's).
@@ -57,14 +58,47 @@ using std::min;
 // ---------------------------------------------------------------- fibers
 
 namespace emu {
-enum { RUN = 0, WAIT_BLOCK = 1, WAIT_WARP = 2, DONE = 3, WAIT_NAMED = 4 };
+enum { RUN = 0, WAIT_BLOCK = 1, WAIT_WARP = 2, DONE = 3, WAIT_NAMED = 4, WAIT_SPIN = 5 };
+// A thread's cp.async traffic in issue order: copies (the 16 source bytes taken at issue, as the
+// source is not written during a kernel), group commits, and the arrivals that
+// cp.async.mbarrier.arrive makes once the thread's earlier copies have landed.
+struct AsyncOp {
+    int kind;                     // 0 copy, 1 commit, 2 arrive
+    unsigned char* dst;
+    unsigned char data[16];
+    void (*arrive)(unsigned);
+    unsigned arg;
+};
 struct Fiber {
     ucontext_t ctx;
     dim3 tid;
     int state;
     int warp;
     int bar;                      // WAIT_NAMED: the barrier id
+    bool woken;                   // set running from WAIT_SPIN (no progress if it spins again)
+    std::vector<AsyncOp> async;   // cp.async ops not landed yet
 };
+// Land the ops async[0 .. end) in order (copies written, arrivals made).
+static inline void land(Fiber& f, size_t end) {
+    std::vector<AsyncOp> ops(f.async.begin(), f.async.begin() + end);
+    f.async.erase(f.async.begin(), f.async.begin() + end);
+    for (const AsyncOp& op : ops) {
+        if (op.kind == 0) std::memcpy(op.dst, op.data, 16);
+        else if (op.kind == 2) op.arrive(op.arg);
+    }
+}
+// Copies land as late as they can: only when the block makes no other progress (every live
+// thread waits at a barrier or spins on an mbarrier) does one thread's oldest pending arrival land,
+// with the copies before it (and at wait_group and at thread exit). So a reader that waits on the
+// wrong mbarrier (or none) sees stale shared memory.
+static inline bool land_one_arrival(Fiber& f) {
+    for (size_t i = 0; i < f.async.size(); ++i)
+        if (f.async[i].kind == 2) {
+            land(f, i + 1);
+            return true;
+        }
+    return false;
+}
 static const int NBAR = 16;
 static int g_bar_count[NBAR];     // threads a named barrier waits for (its waiters' count argument)
 static int g_bar_arrived[NBAR];   // bar.arrive calls counted toward the barrier's next release
@@ -79,6 +113,7 @@ static u64 g_warp_buf[32][32];
 
 static void fiber_main() {
     g_thunk(g_args);
+    land(*g_cur, g_cur->async.size());   // a thread's copies land before its block ends
     g_cur->state = DONE;          // uc_link returns to the scheduler
 }
 static inline void wait(int st) {
@@ -105,7 +140,26 @@ inline void emu_bar_arrive(int id, int count) {
     emu::g_bar_count[id] = count;
     if (++emu::g_bar_arrived[id] > count) std::abort();
 }
-inline void emu_yield() { emu::wait(emu::RUN); }
+inline void emu_yield() { emu::wait(emu::WAIT_SPIN); }   // a spin-wait round: others first
+
+// cp.async (16 bytes, or n = 0: zero-fill), commit_group, wait_group N (every op before the N
+// most recent commits lands), cp.async.mbarrier.arrive (arrive(arg) once the earlier copies land).
+inline void emu_cp_async(void* dst, const void* src, int n) {
+    emu::AsyncOp op{0, (unsigned char*)dst, {}, nullptr, 0};
+    if (n == 16) std::memcpy(op.data, src, 16);
+    emu::g_cur->async.push_back(op);
+}
+inline void emu_cp_async_commit() { emu::g_cur->async.push_back(emu::AsyncOp{1, nullptr, {}, nullptr, 0}); }
+inline void emu_cp_async_wait(int n) {
+    std::vector<emu::AsyncOp>& q = emu::g_cur->async;
+    size_t end = q.size();
+    int commits = 0;
+    while (end > 0 && !(q[end - 1].kind == 1 && commits++ == n)) --end;   // just past the (n+1)-th last commit
+    emu::land(*emu::g_cur, end);
+}
+inline void emu_cp_async_arrive(void (*arrive)(unsigned), unsigned arg) {
+    emu::g_cur->async.push_back(emu::AsyncOp{2, nullptr, {}, arrive, arg});
+}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off) {
@@ -151,14 +205,19 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
                     f.tid = dim3{i % bx, (i / bx) % by, i / (bx * by)};
                     f.state = RUN;
                     f.warp = (int)(i / 32);
+                    f.woken = false;
+                    f.async.clear();
                 }
+                bool spinners_woken = false;       // since the last progress
+                unsigned land_next = 0;            // round-robin over threads for the late landings
                 for (;;) {
                     bool ran = false;
                     for (unsigned i = 0; i < n; ++i) {
                         if (g_f[i].state != RUN) continue;
                         g_cur = &g_f[i];
                         swapcontext(&g_sched, &g_f[i].ctx);
-                        ran = true;
+                        ran |= !(g_f[i].woken && g_f[i].state == WAIT_SPIN);
+                        g_f[i].woken = false;
                     }
                     unsigned live = 0, at_block = 0;
                     for (unsigned i = 0; i < n; ++i) {
@@ -194,11 +253,27 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
                             if (g_f[i].state == WAIT_BLOCK) g_f[i].state = RUN;
                         released = true;
                     }
-                    if (!ran && !released) {
-                        std::fprintf(stderr, "emu_launch: deadlock in block (%u,%u,%u): %u live, %u at "
-                                     "__syncthreads, the rest at a warp or named barrier\n", x, y, z, live, at_block);
-                        return 2;
+                    if (ran || released) {
+                        spinners_woken = false;
+                        for (unsigned i = 0; i < n; ++i)
+                            if (g_f[i].state == WAIT_SPIN) g_f[i].state = RUN, g_f[i].woken = true;
+                        continue;
                     }
+                    // No progress: let the spinners look again, then land one pending arrival.
+                    bool landed = false;
+                    if (spinners_woken)
+                        for (unsigned k = 0; k < n && !landed; ++k, land_next = (land_next + 1) % n)
+                            landed = land_one_arrival(g_f[land_next]);
+                    bool spinners = false;
+                    for (unsigned i = 0; i < n; ++i)
+                        if (g_f[i].state == WAIT_SPIN) g_f[i].state = RUN, g_f[i].woken = true, spinners = true;
+                    if (spinners && (!spinners_woken || landed)) {
+                        spinners_woken = true;
+                        continue;
+                    }
+                    std::fprintf(stderr, "emu_launch: deadlock in block (%u,%u,%u): %u live, %u at "
+                                 "__syncthreads, the rest at a warp or named barrier or spinning\n", x, y, z, live, at_block);
+                    return 2;
                 }
             }
     return 0;
