@@ -7,9 +7,10 @@
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
 // __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
 // GPU); cp.async copies land late (emu_cp_async: at wait_group, at thread exit, or one arrival
-// at a time when the block is otherwise stuck); emu_bar_sync(id, count) is a named barrier (bar.sync id, count: released when the threads
-// waiting at id and those that passed it by emu_bar_arrive (bar.arrive) make count), and
-// emu_yield() lets the other fibers run (spin waits: mbarriers). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
+// at a time when the block is otherwise stuck); emu_bar_sync(id, count) is a named barrier
+// (bar.sync id, count: released when the threads waiting at id and those that passed it by
+// emu_bar_arrive (bar.arrive) make count), and emu_yield() lets the other fibers run (spin
+// waits: mbarriers). Floating point follows IEEE float32 with -ffp-contract=off (no FMA contraction), so the
 // __f*_rn intrinsics are exact; expf/sqrtf are the C library's (not bit-identical to CUDA's).
 // Only what the decode kernels use is here. GGP_EMU is defined for the few PTX-only helpers.
 #pragma once
