@@ -229,25 +229,17 @@ __device__ __forceinline__ float at_softmax_row(float (&s)[NS][4], float (&mrow)
     const float muse = (mnew == AT_NEG_INF) ? 0.0f : mnew;
     const float corr = exp2f(mrow[r] - muse);
     mrow[r] = mnew;
-    float ls = 0.0f;
-#if AT_LSUM4
-    // A/B define: the row sum over 4 interleaved chains (other rounding than the one chain).
-    float l4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The row sum: one chain, or 4 interleaved ones under AT_LSUM4 (other rounding).
+    constexpr int NC = AT_LSUM4 ? 4 : 1;
+    float lc[NC] = {};
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
         s[j][2 * r] = exp2f(s[j][2 * r] - muse);
         s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
-        l4[j & 3] += s[j][2 * r] + s[j][2 * r + 1];
+        lc[j % NC] += s[j][2 * r] + s[j][2 * r + 1];
     }
-    ls = (l4[0] + l4[1]) + (l4[2] + l4[3]);
-#else
-#pragma unroll
-    for (int j = 0; j < NS; ++j) {
-        s[j][2 * r] = exp2f(s[j][2 * r] - muse);
-        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - muse);
-        ls += s[j][2 * r] + s[j][2 * r + 1];
-    }
-#endif
+    float ls = lc[0];
+    if constexpr (NC == 4) ls = (lc[0] + lc[1]) + (lc[2] + lc[3]);
     lrow[r] = fmaf(lrow[r], corr, ls);
     return corr;
 }

@@ -261,7 +261,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     auto release_k = [&](int kt) {
         if (AW_SPLIT && lane == 0) mbar_arrive(kempty0 + 8 * (kt % AW_KN));
     };
-    auto release = [&](int kt) {
+    auto release_v = [&](int kt) {
         if (lane == 0) mbar_arrive(vempty0 + 8 * (kt % AW_VN));
     };
     // AW_PP (FA3's ping-pong): the warpgroups issue their wgmmas of a tile in turn (0, 1, .., 0,
@@ -291,7 +291,7 @@ __device__ __forceinline__ void attn_wgmma_body(
             wg_wait<0>();                             // P V of tile kt - 1 landed in o
             wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
             wg_keep(reinterpret_cast<u32(&)[NP * 4]>(pa));    // P's registers live until the wgmmas read them
-            release(kt - 1);
+            release_v(kt - 1);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) at_rescale_row(o, corr[r], r);
@@ -305,7 +305,7 @@ __device__ __forceinline__ void attn_wgmma_body(
             turn_end(false);
             produce(kt);
             release_k(kt);
-            release(kt);
+            release_v(kt);
         }
     };
     if (64 * wg >= nq) {                              // a warpgroup without queries
@@ -353,7 +353,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     turn_end(wg_nkt == nkt);
     wg_wait<0>();
     wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
-    release(wg_nkt - 1);
+    release_v(wg_nkt - 1);
     pass_tiles(wg_nkt);
     cp_async_commit();
     cp_async_wait<0>();                               // this thread's last copies landed

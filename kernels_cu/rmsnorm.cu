@@ -103,14 +103,12 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
 // Row staging for add_rmsnorm_x16: st[kl] = the row's f16 at logical k kl, so piece
 // kl / 8 = 8 run + chunk (run kl / 64, chunk kl / 8 % 8) is st[8 piece .. 8 piece + 7]: the
 // token's Xt pieces back to back (in Xt piece q of token n is at wg_xt_index(n, 8 q, ngroups),
-// 128 bytes from the next chunk's). Same P(L) as wg_store_quad: elements k..k+3 (k % 4 == 0) have
-// p = k % 256, t = p / 64, hi = p / 32 % 2, m = p / 4 % 8 and go to L = (k & ~255) + 16 (2m + hi)
-// + 2t, L + 1 (h0, h2) and L + 8, L + 9 (h1, h3: chunk + 1, here + 8 elements where Xt has + 64);
-// 2t < 8, so both stay in one run. A warp's stores land in the even pieces 4m + 2hi of four
+// 128 bytes from the next chunk's). Same P(L) as wg_store_quad: elements k..k+3 (k % 4 == 0) go to
+// L = wg_quad_logical(k), L + 1 (h0, h2) and L + 8, L + 9 (h1, h3: chunk + 1, here + 8 elements
+// where Xt has + 64); both stay in one run. A warp's stores land in the even pieces 4m + 2hi of four
 // 128-byte lines, words t, t + 1 of each: 8 banks, 4-way conflicts (a few cycles a row).
 __device__ __forceinline__ void rn_stage_quad(u16* __restrict__ st, int k, const float4& h) {
-    const int p = k & 255, t = p >> 6, hi = (p >> 5) & 1, m = (p >> 2) & 7;
-    u32* dst = reinterpret_cast<u32*>(st + (k & ~255) + 16 * (2 * m + hi) + 2 * t);
+    u32* dst = reinterpret_cast<u32*>(st + wg_quad_logical(k));
     dst[0] = wg_pack_f16x2(h.x, h.z);
     dst[4] = wg_pack_f16x2(h.y, h.w);                  // + 8 elements: chunk + 1
 }

@@ -26,11 +26,14 @@ __device__ __forceinline__ u32 wg_pack_f16x2(float lo, float hi) {
 // Elements k..k+3 (k % 4 == 0) of token n: within the super-block p = k % 256 has t = p / 64,
 // hi = p / 32 % 2, m = p / 4 % 8 and b = 0..3 gives (f, e) = (b & 1, b >> 1), so h0, h2 sit at
 // logical L = 16 (2m + hi) + 2t, L + 1 and h1, h3 at L + 8, L + 9 (the next 8-k chunk): two
-// 4-byte stores.
+// 4-byte stores. wg_quad_logical(k): that L plus the super-block's first k.
+__device__ __forceinline__ int wg_quad_logical(int k) {
+    const int p = k & 255, t = p >> 6, hi = (p >> 5) & 1, m = (p >> 2) & 7;
+    return (k & ~255) + 16 * (2 * m + hi) + 2 * t;
+}
 __device__ __forceinline__ void wg_store_quad(u16* __restrict__ Xt, int n, int k, int ngroups,
                                               float h0, float h1, float h2, float h3) {
-    const int p = k & 255, t = p >> 6, hi = (p >> 5) & 1, m = (p >> 2) & 7;
-    u32* dst = reinterpret_cast<u32*>(Xt + wg_xt_index(n, (k & ~255) + 16 * (2 * m + hi) + 2 * t, ngroups));
+    u32* dst = reinterpret_cast<u32*>(Xt + wg_xt_index(n, wg_quad_logical(k), ngroups));
     dst[0] = wg_pack_f16x2(h0, h2);
     dst[32] = wg_pack_f16x2(h1, h3);                   // + 64 elements: chunk kc + 1
 }

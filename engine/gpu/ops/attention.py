@@ -32,6 +32,7 @@ ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 # attention_wgmma.cu's block shape in production (its AW_NWG, AW_BK, AW_STAGES defaults); an A/B
 # run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
 ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES = 2, 128, 3
+ATT_WGMMA_KST, ATT_WGMMA_VST = 3, 3       # its K / V ring sizes under the AW_SPLIT A/B define
 SMEM_PER_BLOCK_MAX = 227 * 1024    # dynamic shared memory of one block on sm_90
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
@@ -60,7 +61,7 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
         return 5 * 64 * head_dim * 2
     split = kernels.define_value("AW_SPLIT", 0)     # K and V rings of their own (an A/B define)
     if split:
-        tiles = kernels.define_value("AW_KST", 3) + kernels.define_value("AW_VST", 3)
+        tiles = kernels.define_value("AW_KST", ATT_WGMMA_KST) + kernels.define_value("AW_VST", ATT_WGMMA_VST)
     else:
         tiles = 2 * kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
     rows = tiles * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
