@@ -36,6 +36,10 @@
 // AW_SPLIT=1 (A/B define): K and V in rings of their own (AW_KST, AW_VST buffers, each with its
 // full / empty pair): a K tile is released once S has landed, so the same shared memory holds
 // tiles further ahead (K kt + AW_KST - 1, V kt + AW_VST - 2).
+// AW_PROD=1 (A/B define): FA3's warp specialisation. One more warpgroup (the last) copies every
+// K / V tile, each as soon as its buffer's empty mbarrier allows (full counts its 128 threads),
+// with its registers lowered to AW_PROD_REGS (setmaxnreg) and the consumers' raised to
+// AW_CONS_REGS; the consumers only wait, compute and release.
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
 // (its V) and kt in use, the rest loading); S of tile kt and P V of tile kt - 1 are issued together;
 // wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait
@@ -95,7 +99,16 @@
 #define AW_NWG 2                          // warpgroups per block, 64 queries each (3: an A/B define)
 #endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
-#define AW_NTH (128 * AW_NWG)
+#ifndef AW_PROD
+#define AW_PROD 0                         // 1 (A/B define): one more warpgroup issues every K/V copy
+#endif
+#ifndef AW_PROD_REGS
+#define AW_PROD_REGS 24                   // AW_PROD: the producer's registers, the consumers'
+#define AW_CONS_REGS 240                  // (24 x 128 + 240 x 256 <= 64 K)
+#endif
+#define AW_NTH (128 * (AW_NWG + AW_PROD))
+#define AW_NCP (AW_PROD ? 128 : AW_NTH)   // threads that copy K / V (a full mbarrier's count)
+#define AW_NCW (4 * AW_NWG)               // warps that read K / V (an empty mbarrier's count)
 #ifndef AW_PP
 #define AW_PP 1                           // the warpgroups' wgmma issues take turns (0: an A/B define)
 #endif
@@ -155,12 +168,12 @@ __device__ __forceinline__ void attn_wgmma_body(
     const u32 vempty0 = AW_SPLIT ? vfull0 + 8 * AW_VN : kempty0;
     if (tid == 0) {
         for (int b = 0; b < AW_KN; ++b) {
-            mbar_init(kfull0 + 8 * b, AW_NTH);
-            mbar_init(kempty0 + 8 * b, AW_NTH / 32);
+            mbar_init(kfull0 + 8 * b, AW_NCP);
+            mbar_init(kempty0 + 8 * b, AW_NCW);
         }
         for (int b = 0; AW_SPLIT && b < AW_VN; ++b) {
-            mbar_init(vfull0 + 8 * b, AW_NTH);
-            mbar_init(vempty0 + 8 * b, AW_NTH / 32);
+            mbar_init(vfull0 + 8 * b, AW_NCP);
+            mbar_init(vempty0 + 8 * b, AW_NCW);
         }
     }
     __syncthreads();                                  // initialized before any arrival
@@ -172,9 +185,10 @@ __device__ __forceinline__ void attn_wgmma_body(
     }
     // K / V tiles: at_copy_kv (chunk tid % CH of keys tid / CH + KSTEP i); the 8-chunk piece of a
     // 128-byte atom row lands permuted within that row (conflict-free).
-    constexpr int KSTEP = AW_NTH / CH;
-    static_assert(AW_NTH % CH == 0, "copy layout");
-    const int kin0 = tid / CH, kch = tid % CH;
+    constexpr int KSTEP = AW_NCP / CH;
+    static_assert(AW_NCP % CH == 0, "copy layout");
+    const int ctid = AW_PROD ? tid - 128 * AW_NWG : tid;   // the thread's place among the copying ones
+    const int kin0 = ctid / CH, kch = ctid % CH;
     const saddr kvdst = s0 + sw(ATOM, kin0, kch);
     const u16* Kch = Kh + kch * 8;
     const u16* Vch = Vh + kch * 8;
@@ -201,19 +215,34 @@ __device__ __forceinline__ void attn_wgmma_body(
         load(j, Vch, kvdst + vbuf(j), 0);
         cp_async_mbar_arrive(vfull0 + 8 * (j % AW_VN));
     };
-    // The copies a thread issues at key tile kt (after its wgmmas; for the tiles it passes).
+    // The copies a thread issues at key tile kt (after its wgmmas; for the tiles it passes). Under
+    // AW_PROD the consumers copy nothing: the producer warpgroup copies every tile (below).
     auto produce = [&](int kt) {
+        if (AW_PROD) return;
         produce_k(kt + AW_KAHEAD);
         produce_v(kt + AW_VAHEAD);
     };
 #pragma unroll
-    for (int j = 0; j < AW_KAHEAD; ++j) produce_k(j);
+    for (int j = 0; j < AW_KAHEAD && !AW_PROD; ++j) produce_k(j);
 #pragma unroll
-    for (int j = 0; j < AW_VAHEAD; ++j) produce_v(j);
+    for (int j = 0; j < AW_VAHEAD && !AW_PROD; ++j) produce_v(j);
     cp_async_commit();
     cp_async_wait<0>();                               // Q (and the first tiles) landed
     fence_proxy_async();
     __syncthreads();
+    if (AW_PROD) {                                    // FA3's warp specialisation
+        if (wg == AW_NWG) {                           // the producer: every tile, as soon as its buffer is free
+            wg_setmaxnreg_dec<AW_PROD_REGS>();
+            for (int j = 0; j < nkt; ++j) {
+                produce_k(j);
+                produce_v(j);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();                       // its last copies landed
+            return;
+        }
+        wg_setmaxnreg_inc<AW_CONS_REGS>();
+    }
 
     float o[HD / 8][4], mrow[2], lrow[2];
     at_init(o, mrow, lrow);

@@ -85,6 +85,12 @@ __device__ __forceinline__ void named_bar_sync(int id, int count) {
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 }
+// A warpgroup's register ceiling raised / lowered to N (warp specialisation: a producer warpgroup
+// gives its registers to the consumers; the kernel needs __launch_bounds__(threads, 1)).
+template <int N>
+__device__ __forceinline__ void wg_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }
+template <int N>
+__device__ __forceinline__ void wg_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
 
 #define WG_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
 #define WG_A4 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(ACC), "n"(TB)
@@ -185,6 +191,10 @@ inline void mbar_wait(u32 bar, u32 parity) {
 inline void cp_async_mbar_arrive(u32 bar) { emu_cp_async_arrive(mbar_arrive, bar); }   // when the copies land
 inline void named_bar_sync(int id, int count) { emu_bar_sync(id, count); }
 inline void named_bar_arrive(int id, int count) { emu_bar_arrive(id, count); }
+template <int N>
+inline void wg_setmaxnreg_inc() {}              // registers: nothing to emulate
+template <int N>
+inline void wg_setmaxnreg_dec() {}
 // Element (row n of the M/N side, k) of a shared-memory operand read through descriptor desc
 // (TB: MN-major, else K-major); the layouts of the top comment.
 inline float wg_emu_elem(u64 desc, bool mn_major, int n, int k) {

@@ -146,7 +146,8 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
         k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out),
                                dynamic_smem=smem)
         nwg = wgmma_warpgroups()
-        bq, nth = 64 * nwg, 128 * nwg
+        producer = kernels.define_value("AW_PROD", 0)    # a copying warpgroup more (an A/B define)
+        bq, nth = 64 * nwg, 128 * (nwg + producer)
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
