@@ -53,6 +53,12 @@ def wgmma_warpgroups() -> int:
     return kernels.define_value("AW_NWG", ATT_WGMMA_NWG)
 
 
+def wgmma_block_threads() -> int:
+    """Threads of an attention_wgmma.cu block: 128 per warpgroup of queries, and 128 more for the
+    producer warpgroup under the AW_PROD A/B define."""
+    return 128 * (wgmma_warpgroups() + kernels.define_value("AW_PROD", 0))
+
+
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
     wgmma AW_STAGES x (K, V) tiles of AW_BK keys (AW_SPLIT: AW_KST K and AW_VST V tiles), a 64-row
@@ -145,9 +151,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     if variant == "wgmma":
         k = kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, out),
                                dynamic_smem=smem)
-        nwg = wgmma_warpgroups()
-        producer = kernels.define_value("AW_PROD", 0)    # a copying warpgroup more (an A/B define)
-        bq, nth = 64 * nwg, 128 * (nwg + producer)
+        bq, nth = 64 * wgmma_warpgroups(), wgmma_block_threads()
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
