@@ -102,10 +102,14 @@
 #ifndef AW_PROD
 #define AW_PROD 0                         // 1 (A/B define): one more warpgroup issues every K/V copy
 #endif
-#ifndef AW_PROD_REGS
-#define AW_PROD_REGS 24                   // AW_PROD: the producer's registers, the consumers'
-#define AW_CONS_REGS 240                  // (24 x 128 + 240 x 256 <= 64 K)
+#ifndef AW_PERSIST
+#define AW_PERSIST 0                      // 1 (A/B define; with AW_PROD): one block per SM runs work after work
 #endif
+#ifndef AW_PROD_REGS                      // AW_PROD: the producer's registers, the consumers' (x 128,
+#define AW_PROD_REGS (AW_PERSIST ? 56 : 24)   // x 256: <= 64 K); the persistent loops spill below 56
+#define AW_CONS_REGS (AW_PERSIST ? 224 : 240)
+#endif
+#define AW_NQB (AW_PERSIST ? 2 : 1)       // Q buffers (AW_PERSIST: the next work's Q lands during this one)
 #define AW_NTH (128 * (AW_NWG + AW_PROD))
 #define AW_NCP (AW_PROD ? 128 : AW_NTH)   // threads that copy K / V (a full mbarrier's count)
 #define AW_NCW (4 * AW_NWG)               // warps that read K / V (an empty mbarrier's count)
@@ -114,11 +118,17 @@
 #endif
 #define AW_PP_BAR 8                       // named barriers 8 ..: warpgroup w waits at 8 + w for its turn
 
-template <int HD, int OUT>
+enum { AW_ANY = 0, AW_PRODUCER = 1, AW_CONSUMER = 2 };   // the body's role: by warpgroup, or fixed
+template <int R>
+struct AwRole {
+    static constexpr int value = R;
+};
+
+template <int HD, int OUT, int ROLE>
 __device__ __forceinline__ void attn_wgmma_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
-        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT) {
+        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT, int h, int jb, int wi) {
     constexpr int CH = HD / 8;            // 16-byte chunks per row
     constexpr int KS = HD / 16;           // k16 steps of Q K^T
     constexpr int ROWB = HD * 2;
@@ -126,12 +136,17 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr int NP = AW_BK / 16;        // k16 steps of P V
     constexpr int TILE = AW_BK * ROWB;    // bytes of one K or V tile
     constexpr int QTILE = 64 * ROWB;      // bytes of one warpgroup's Q tile
-    // Buffer of K tile j and of V tile j: the stage's halves, or the two rings (K first).
-    auto kbuf = [](int j) -> u32 { return AW_SPLIT ? (j % AW_KN) * TILE : (j % AW_KN) * 2 * TILE; };
-    auto vbuf = [](int j) -> u32 { return AW_SPLIT ? (AW_KN + j % AW_VN) * TILE : (j % AW_VN) * 2 * TILE + TILE; };
+    // Buffer of K tile j and of V tile j: the stage's halves, or the two rings (K first). The rings
+    // go on across a persistent block's works: tile j of this one is the block's tile jb + j.
+    auto kbuf = [&](int j) -> u32 { return AW_SPLIT ? ((jb + j) % AW_KN) * TILE : ((jb + j) % AW_KN) * 2 * TILE; };
+    auto vbuf = [&](int j) -> u32 {
+        return AW_SPLIT ? (AW_KN + (jb + j) % AW_VN) * TILE : ((jb + j) % AW_VN) * 2 * TILE + TILE;
+    };
     constexpr u32 ATOM = AW_BK * 128;     // bytes of one 64-column atom column of a K / V tile
     constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
-    constexpr u32 QOFF = AW_NBUF * TILE;  // the swizzled Q tiles (QTILE per warpgroup)
+    constexpr u32 QOFF = AW_NBUF * TILE;  // the swizzled Q tiles (QTILE per warpgroup; AW_NQB sets)
+    constexpr u32 QSET = AW_BQ * ROWB;    // bytes of one set (a block's queries)
+    static_assert(!AW_PERSIST || AW_PROD, "AW_PERSIST: the producer warpgroup loads the next work's Q");
     static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
     static_assert(AW_KAHEAD >= 1 && AW_VAHEAD >= 0, "at least one tile loading");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
@@ -144,12 +159,13 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    if (dyn_smem_bytes() < QOFF + AW_BQ * ROWB + 8 * AW_NBAR || (sbase & 1023)) __trap();   // swizzle: 1 KB aligned
+    if (dyn_smem_bytes() < QOFF + AW_NQB * QSET + 8 * (AW_NBAR + 2 * AW_PERSIST * AW_NQB) || (sbase & 1023))
+        __trap();                                                 // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int g = lane >> 2, tig = lane & 3;
-    const int h = AT_HEAD, kvh = h / (H / KVH);
+    const int kvh = h / (H / KVH);
     const int L = pos0 + nq;                          // keys of the tile's last query
     const int nkt = (L - 1) / AW_BK + 1;
     const bool idle = warp * 16 >= nq;                // none of the warp's rows is a query
@@ -163,10 +179,15 @@ __device__ __forceinline__ void attn_wgmma_body(
     auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
     // mbarriers of buffer b of a ring: full (the tile landed: every thread's copies) and empty
     // (every warp done with it); one ring's (the stages') serve K and V unless AW_SPLIT.
-    const u32 kfull0 = sbase + QOFF + AW_BQ * ROWB, kempty0 = kfull0 + 8 * AW_KN;
+    const u32 kfull0 = sbase + QOFF + AW_NQB * QSET, kempty0 = kfull0 + 8 * AW_KN;
     const u32 vfull0 = AW_SPLIT ? kempty0 + 8 * AW_KN : kfull0;
     const u32 vempty0 = AW_SPLIT ? vfull0 + 8 * AW_VN : kempty0;
-    if (tid == 0) {
+    // AW_PERSIST: Q set b's full (the producer's copies landed) and empty (every consumer warp's
+    // wgmmas of its work done) mbarriers; work wi uses set wi % 2.
+    const u32 qfull0 = kfull0 + 8 * AW_NBAR, qempty0 = qfull0 + 8 * AW_NQB;
+    const int qs = AW_PERSIST ? (wi & 1) : 0;
+    if (wi == 0) {                                    // a block's first work (block-uniform)
+      if (tid == 0) {
         for (int b = 0; b < AW_KN; ++b) {
             mbar_init(kfull0 + 8 * b, AW_NCP);
             mbar_init(kempty0 + 8 * b, AW_NCW);
@@ -175,14 +196,24 @@ __device__ __forceinline__ void attn_wgmma_body(
             mbar_init(vfull0 + 8 * b, AW_NCP);
             mbar_init(vempty0 + 8 * b, AW_NCW);
         }
+        for (int b = 0; AW_PERSIST && b < AW_NQB; ++b) {
+            mbar_init(qfull0 + 8 * b, AW_NCP);
+            mbar_init(qempty0 + 8 * b, AW_NCW);
+        }
+      }
+      __syncthreads();                                // initialized before any arrival
     }
-    __syncthreads();                                  // initialized before any arrival
-    for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {  // warpgroup w's 64 rows: the tile at QOFF + w QTILE
-        const int row = p / CH, ch = p % CH;
-        const bool ok = row < nq;
-        cp_async16(s0 + QOFF + (row >> 6) * QTILE + sw(QATOM, row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
-                   ok ? 16 : 0);
-    }
+    // The block's Q rows (warpgroup w's 64 at QOFF + w QTILE of the set), copied by threads t0,
+    // t0 + nt, ..
+    auto load_q = [&](int t0, int nt) {
+        for (int p = t0; p < AW_BQ * CH; p += nt) {
+            const int row = p / CH, ch = p % CH;
+            const bool ok = row < nq;
+            cp_async16(s0 + QOFF + qs * QSET + (row >> 6) * QTILE + sw(QATOM, row & 63, ch),
+                       Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
+        }
+    };
+    if (!AW_PERSIST) load_q(tid, AW_NTH);
     // K / V tiles: at_copy_kv (chunk tid % CH of keys tid / CH + KSTEP i); the 8-chunk piece of a
     // 128-byte atom row lands permuted within that row (conflict-free).
     constexpr int KSTEP = AW_NCP / CH;
@@ -201,19 +232,19 @@ __device__ __forceinline__ void attn_wgmma_body(
     // Tile j's copies in a ring of n buffers: once every warp released the buffer's previous tile,
     // this thread's copies, then its arrival on the buffer's full mbarrier when they have landed.
     auto claim = [&](u32 empty0, int n, int j) {
-        if (j >= n) mbar_wait(empty0 + 8 * (j % n), (j / n - 1) & 1);
+        if (jb + j >= n) mbar_wait(empty0 + 8 * ((jb + j) % n), ((jb + j) / n - 1) & 1);
     };
     auto produce_k = [&](int j) {
         if (j >= nkt) return;
         claim(kempty0, AW_KN, j);
         load(j, Kch, kvdst + kbuf(j), kvdst + vbuf(j));
-        cp_async_mbar_arrive(kfull0 + 8 * (j % AW_KN));
+        cp_async_mbar_arrive(kfull0 + 8 * ((jb + j) % AW_KN));
     };
     auto produce_v = [&](int j) {
         if (!AW_SPLIT || j >= nkt) return;
         claim(vempty0, AW_VN, j);
         load(j, Vch, kvdst + vbuf(j), 0);
-        cp_async_mbar_arrive(vfull0 + 8 * (j % AW_VN));
+        cp_async_mbar_arrive(vfull0 + 8 * ((jb + j) % AW_VN));
     };
     // The copies a thread issues at key tile kt (after its wgmmas; for the tiles it passes). Under
     // AW_PROD the consumers copy nothing: the producer warpgroup copies every tile (below).
@@ -226,22 +257,35 @@ __device__ __forceinline__ void attn_wgmma_body(
     for (int j = 0; j < AW_KAHEAD && !AW_PROD; ++j) produce_k(j);
 #pragma unroll
     for (int j = 0; j < AW_VAHEAD && !AW_PROD; ++j) produce_v(j);
-    cp_async_commit();
-    cp_async_wait<0>();                               // Q (and the first tiles) landed
-    fence_proxy_async();
-    __syncthreads();
+    if (!AW_PERSIST) {
+        cp_async_commit();
+        cp_async_wait<0>();                           // Q (and the first tiles) landed
+        fence_proxy_async();
+        __syncthreads();
+    }
     if (AW_PROD) {                                    // FA3's warp specialisation
-        if (wg == AW_NWG) {                           // the producer: every tile, as soon as its buffer is free
-            wg_setmaxnreg_dec<AW_PROD_REGS>();
+        if (ROLE == AW_PRODUCER || (ROLE == AW_ANY && wg == AW_NWG)) {   // the producer: every tile, once its buffer is free
+            if (!AW_PERSIST) wg_setmaxnreg_dec<AW_PROD_REGS>();
+            if (AW_PERSIST) {                         // Q once the work two before released the set
+                if (wi >= 2) mbar_wait(qempty0 + 8 * qs, ((wi >> 1) - 1) & 1);
+                load_q(ctid, AW_NCP);
+                cp_async_mbar_arrive(qfull0 + 8 * qs);
+            }
             for (int j = 0; j < nkt; ++j) {
                 produce_k(j);
                 produce_v(j);
             }
-            cp_async_commit();
-            cp_async_wait<0>();                       // its last copies landed
+            if (!AW_PERSIST) {                        // (persistent: at the block's end)
+                cp_async_commit();
+                cp_async_wait<0>();                   // its last copies landed
+            }
             return;
         }
-        wg_setmaxnreg_inc<AW_CONS_REGS>();
+        if (!AW_PERSIST) wg_setmaxnreg_inc<AW_CONS_REGS>();
+    }
+    if (AW_PERSIST) {                                 // this work's Q landed
+        mbar_wait(qfull0 + 8 * qs, (wi >> 1) & 1);
+        fence_proxy_async();
     }
 
     float o[HD / 8][4], mrow[2], lrow[2];
@@ -251,7 +295,7 @@ __device__ __forceinline__ void attn_wgmma_body(
 
     // Descriptors: encoded once (the warpgroup's Q tile, the tile buffers' base); a k16 step or a
     // buffer is then one add to the start field (wg_desc_add), not a mask-shift-or per wgmma.
-    const u64 qdesc = wg_desc_sw128(sbase + QOFF + wg * QTILE, 16, 1024);
+    const u64 qdesc = wg_desc_sw128(sbase + QOFF + qs * QSET + wg * QTILE, 16, 1024);
     const u64 kdesc0 = wg_desc_sw128(sbase, 16, 1024);
     const u64 vdesc0 = wg_desc_sw128(sbase, AW_V_LBO, AW_V_SBO);
     // S = Q K^T of tile kt into s (issued and committed; not waited for).
@@ -280,18 +324,21 @@ __device__ __forceinline__ void attn_wgmma_body(
     // copies visible to this thread's wgmmas). A warp releases tile kt's K once its S has landed
     // (AW_SPLIT), its V (else the stage) once its P V has.
     auto wait_v = [&](int kt) {
-        if (AW_SPLIT && kt >= 0) mbar_wait(vfull0 + 8 * (kt % AW_VN), (kt / AW_VN) & 1);
+        if (AW_SPLIT && kt >= 0) mbar_wait(vfull0 + 8 * ((jb + kt) % AW_VN), ((jb + kt) / AW_VN) & 1);
     };
     auto next_tile = [&](int kt) {
-        mbar_wait(kfull0 + 8 * (kt % AW_KN), (kt / AW_KN) & 1);
+        mbar_wait(kfull0 + 8 * ((jb + kt) % AW_KN), ((jb + kt) / AW_KN) & 1);
         wait_v(kt - 1);
         fence_proxy_async();
     };
     auto release_k = [&](int kt) {
-        if (AW_SPLIT && lane == 0) mbar_arrive(kempty0 + 8 * (kt % AW_KN));
+        if (AW_SPLIT && lane == 0) mbar_arrive(kempty0 + 8 * ((jb + kt) % AW_KN));
     };
     auto release_v = [&](int kt) {
-        if (lane == 0) mbar_arrive(vempty0 + 8 * (kt % AW_VN));
+        if (lane == 0) mbar_arrive(vempty0 + 8 * ((jb + kt) % AW_VN));
+    };
+    auto release_q = [&]() {                          // AW_PERSIST: the warp's wgmmas of the work done
+        if (AW_PERSIST && lane == 0) mbar_arrive(qempty0 + 8 * qs);
     };
     // AW_PP (FA3's ping-pong): the warpgroups issue their wgmmas of a tile in turn (0, 1, .., 0,
     // ..), so one's softmax runs under the others' MMAs instead of all at once. Turn t of
@@ -341,6 +388,7 @@ __device__ __forceinline__ void attn_wgmma_body(
         pass_tiles(0);
         turn_begin();                                 // turn nkt
         turn_end(true);
+        release_q();
         cp_async_commit();
         cp_async_wait<0>();                           // this thread's last copies landed
         return;
@@ -383,6 +431,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_wait<0>();
     wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
     release_v(wg_nkt - 1);
+    release_q();
     pass_tiles(wg_nkt);
     cp_async_commit();
     cp_async_wait<0>();                               // this thread's last copies landed
@@ -391,15 +440,50 @@ __device__ __forceinline__ void attn_wgmma_body(
     at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
 }
 
+// One block per (head, query tile), or (AW_PERSIST) one per SM taking works b, b + grid, .. in
+// the launch order of that grid (at_work), its rings and Q sets going on from work to work.
+template <int HD, int OUT>
+__device__ __forceinline__ void attn_wgmma_entry(
+        const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc, float* __restrict__ O,
+        i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H, int KVH, const int* __restrict__ startp,
+        int start0, int maxT) {
+    pdl_entry();
+    const int start = start0 + (startp ? *startp : 0);
+    if (!AW_PERSIST) {
+        const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;
+        attn_wgmma_body<HD, OUT, AW_ANY>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), start + q0, 0,
+                                         maxT, AT_HEAD, 0, 0);
+        return;
+    }
+    const int nt = (n + AW_BQ - 1) / AW_BQ;
+    // Each role its own loop (setmaxnreg's register ceiling holds for the code after it).
+    auto works = [&](auto role) {
+        int jb = 0, wi = 0;                           // the block's key tiles and works so far
+        for (int b = (int)blockIdx.x; b < H * nt; b += (int)gridDim.x, ++wi) {
+            const int2 ht = at_work(b, H, nt);
+            const int q0 = (nt - 1 - ht.y) * AW_BQ, nq = min(AW_BQ, n - q0);
+            attn_wgmma_body<HD, OUT, decltype(role)::value>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq, start + q0, 0,
+                                                            maxT, ht.x, jb, wi);
+            jb += (start + q0 + nq - 1) / AW_BK + 1;
+        }
+    };
+    if (threadIdx.x >= 128 * AW_NWG) {                // the producer warpgroup
+        wg_setmaxnreg_dec<AW_PROD_REGS>();
+        works(AwRole<AW_PRODUCER>());
+        cp_async_commit();
+        cp_async_wait<0>();                           // its last copies landed
+    } else {
+        wg_setmaxnreg_inc<AW_CONS_REGS>();
+        works(AwRole<AW_CONSUMER>());
+    }
+}
+
 #define AW_INSTANCE(NAME, HDV, OUTV)                                                            \
     extern "C" __global__ void __launch_bounds__(AW_NTH, 1)                                     \
     NAME(const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,     \
          float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
          int KVH, const int* __restrict__ startp, int start0, int maxT) {                       \
-        pdl_entry();                                                                            \
-        const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;                                       \
-        attn_wgmma_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),    \
-                                   start0 + (startp ? *startp : 0) + q0, 0, maxT);             \
+        attn_wgmma_entry<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, startp, start0, maxT);   \
     }
 
 AW_INSTANCE(attn_wgmma_h64_f32, 64, AT_F32)

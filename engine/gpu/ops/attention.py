@@ -59,6 +59,12 @@ def wgmma_block_threads() -> int:
     return 128 * (wgmma_warpgroups() + kernels.define_value("AW_PROD", 0))
 
 
+def wgmma_persistent() -> bool:
+    """attention_wgmma.cu as one block per SM looping over the (head, query tile) works: the
+    AW_PERSIST A/B define (with AW_PROD)."""
+    return bool(kernels.define_value("AW_PERSIST", 0))
+
+
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
     wgmma AW_STAGES x (K, V) tiles of AW_BK keys (AW_SPLIT: AW_KST K and AW_VST V tiles), a 64-row
@@ -70,8 +76,11 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
         tiles = kernels.define_value("AW_KST", ATT_WGMMA_KST) + kernels.define_value("AW_VST", ATT_WGMMA_VST)
     else:
         tiles = 2 * kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
-    rows = tiles * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
+    q_sets = 2 if wgmma_persistent() else 1         # the next work's Q beside this one's
+    rows = tiles * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups() * q_sets
     mbarriers = 2 * tiles if split else tiles       # full + empty per buffer, or per K+V stage
+    if q_sets == 2:
+        mbarriers += 4                              # full + empty per Q set (AW_PERSIST)
     nbytes = rows * head_dim * 2 + 8 * mbarriers
     if nbytes > SMEM_PER_BLOCK_MAX:
         raise ValueError(f"attention_wgmma.cu at head size {head_dim} with GGUF_PREFILL_KERNEL_DEFINES="
@@ -155,7 +164,10 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
-    k(prefill_grid((n + bq - 1) // bq, H), (nth,),
+    grid = prefill_grid((n + bq - 1) // bq, H)
+    if variant == "wgmma" and wgmma_persistent():
+        grid = (min(grid[0] * grid[1], sm_count()), 1)
+    k(grid, (nth,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
 
