@@ -166,7 +166,8 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
         bq, nth = ATT_BQ, ATT_THREADS
     grid = prefill_grid((n + bq - 1) // bq, H)
     if variant == "wgmma" and wgmma_persistent():
-        grid = (min(grid[0] * grid[1], sm_count()), 1)
+        blocks = kernels.define_value("AW_PGRID", 0) or sm_count()    # AW_PGRID: fewer (tests)
+        grid = (min(grid[0] * grid[1], blocks), 1)
     k(grid, (nth,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
