@@ -8,7 +8,7 @@
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, defines); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -225,6 +225,26 @@ step_attn() {    # under a timeout: a hung kernel must not eat the call (Session
   timeout "${ATTN_TIMEOUT:-120}" python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" ${ATTN_VARIANTS:+--variants $ATTN_VARIANTS} \
       ${ATTN_CASES:+--cases $ATTN_CASES} ${ATTN_HEADS:+--heads $ATTN_HEADS} --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.log"
   return "${PIPESTATUS[0]}"
+}
+
+# Kernel define sets side by side in one process each (DEFINE_SETS: ';'-separated
+# GGUF_PREFILL_KERNEL_DEFINES sets, an empty entry = production, the first the baseline):
+# dev/attn_bench on the attention cases, then dev/ab_bench's bench rows (DEFINE_PP, DEFINE_TG)
+# on each synthetic shape of DEFINE_SHAPES, rounds interleaved, with the pp8192 / pp3314 quotient.
+step_defines() {
+  local shape m rc=0
+  timeout "${ATTN_TIMEOUT:-150}" python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" --variants wgmma \
+      --cases "${ATTN_CASES:-4096@4096,3314@0,4096@0}" --heads "${ATTN_HEADS:-32/32,28/4}" \
+      --defines "${DEFINE_SETS:-}" --json "$OUT/attn_defines.json" 2>&1 | tee "$OUT/attn_defines.log" || rc=1
+  for shape in ${DEFINE_SHAPES:-llama2-7b}; do
+    m=/tmp/$shape.gguf
+    [ -f "$m" ] || timeout 200 python3 -m engine synth --shape "$shape" --random-blocks "$m" > /dev/null || return 1
+    echo "--- $shape"
+    timeout "${DEFINE_TIMEOUT:-240}" python3 -m dev.ab_bench --model "$m" --sets "${DEFINE_SETS:-}" \
+        -p "${DEFINE_PP:-3314,8192}" -n "${DEFINE_TG:-0}" -r "${DEFINE_REPS:-3}" --rounds "${DEFINE_ROUNDS:-2}" \
+        --json "$OUT/ab_$shape.json" 2>&1 | grep -v "^loading" | tee "$OUT/ab_$shape.log" || rc=1
+  done
+  return $rc
 }
 
 # The Hopper route in the whole model (issue 14): `bench` on synthetic models (HOPPER_PP_SHAPES,

@@ -156,3 +156,21 @@ def test_batched_bad_arguments(tiny_model_path, capsys, argv):
     assert cli_main(["bench", "--model", tiny_model_path, "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gguf-prefill bench: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_ab_bench_summary():
+    """dev/ab_bench: medians over every round's samples, ratios to the first set, and each set's
+    last-over-first pp quotient (issue 14's pp8192 / pp3314)."""
+    from dev.ab_bench import format_rows, summarize
+
+    samples = {"": {"pp10": [100.0, 102.0, 98.0], "pp20": [90.0, 91.0, 89.0]},
+               "X=1": {"pp10": [110.0, 120.0, 100.0], "pp20": [99.0, 99.0, 99.0]}}
+    rows = summarize(samples, ["", "X=1"], ["pp10", "pp20"], ["pp10", "pp20"])
+    by = {(r["set"], r["test"]): r for r in rows}
+    assert by[("", "pp10")]["median"] == 100.0 and by[("", "pp10")]["ratio"] == 1.0
+    assert by[("X=1", "pp10")]["ratio"] == pytest.approx(1.10)
+    assert by[("X=1", "pp20")]["ratio"] == pytest.approx(1.10)
+    assert by[("", "pp20/pp10")]["median"] == pytest.approx(0.90) and by[("", "pp20/pp10")]["ratio"] is None
+    assert by[("X=1", "pp20/pp10")]["median"] == pytest.approx(0.90)
+    text = format_rows(rows)
+    assert "| (none) | pp10 | 100.0 | 1.000 |" in text and "| X=1 | pp20/pp10 | 0.900 |  |" in text

@@ -351,6 +351,30 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
     assert x16_mism == 0
 
 
+@pytest.mark.gpu
+def test_attention_define_sets_in_one_process(cp, rng, monkeypatch):
+    """GGUF_PREFILL_KERNEL_DEFINES changed between launches in one process (dev/attn_bench and
+    dev/ab_bench --defines / --sets): each set gets its own build of attention_wgmma.cu, and the
+    forms that only move work between warpgroups (the producer, the persistent loop over several
+    works a block) give the default's bits."""
+    from engine.gpu import kernels, ops, registry
+
+    _variant_runs(cp, "wgmma")
+    H, KVH, hd, n, start = 4, 2, 128, 300, 40
+    q, k, v = _attention_inputs(rng, H, KVH, hd, n, start, start + n)
+    qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    outs, builds = [], []
+    for defines in ("", "AW_PROD=1", "AW_PROD=1,AW_SPLIT=1,AW_VST=2,AW_PERSIST=1,AW_PGRID=2", ""):
+        monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", defines)
+        out = cp.full((n, H * hd), np.nan, dtype=cp.float32)
+        ops.attention.attention_prefill(qd, kd, vd, start, out_f32=out, variant="wgmma")
+        outs.append(cp.asnumpy(out))
+        builds.append(kernels.get_kernel("attention_wgmma.cu", registry.attn_wgmma_name(hd, "f32")))
+    assert len({id(b) for b in builds}) == 3 and builds[3] is builds[0]
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+
+
 def _x16_mismatches(cp, out_f32, run):
     """The out_x16 form against the tiling oracle (engine.reference.wgmma.tile_x16, which
     wgmma_tile_x16 matches bit for bit) of the f32 output: f16 values that differ in their bits

@@ -60,6 +60,20 @@ def test_kernel_defines(monkeypatch):
         kernels.kernel_defines()
 
 
+def test_file_defines(monkeypatch):
+    """A define set reaches only the files that name its macros (their builds change; every
+    other kernel keeps its build and its compile cache)."""
+    from engine.gpu import kernels
+
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_PROD=1,MMVQ_NW=8 AT_LSUM4=1 NO_SUCH_MACRO")
+    assert kernels.file_defines("attention_wgmma.cu") == ("-DAW_PROD=1", "-DAT_LSUM4=1")
+    assert kernels.file_defines("attention_prefill.cu") == ("-DAT_LSUM4=1",)     # via attention_common.cuh
+    assert kernels.file_defines("mmvq_q4_k.cu") == ("-DMMVQ_NW=8",)
+    assert kernels.file_defines("rmsnorm.cu") == ()
+    monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES")
+    assert kernels.file_defines("attention_wgmma.cu") == ()
+
+
 def test_define_value(monkeypatch):
     """A launcher's reading of a define: its integer, the default when absent, a named error."""
     from engine.gpu import kernels

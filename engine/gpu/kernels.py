@@ -126,6 +126,26 @@ def kernel_defines() -> tuple[str, ...]:
     return _parse_defines(os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", ""))
 
 
+def file_defines(fname: str) -> tuple[str, ...]:
+    """The kernel_defines() entries whose macro kernels_cu/<fname> (headers inlined) names: the
+    options its build gets, so a define set rebuilds only the files it reaches (an A/B of
+    attention_wgmma.cu's defines keeps every other kernel's build)."""
+    return _file_defines(fname, kernel_defines())
+
+
+@functools.lru_cache(maxsize=256)
+def _file_defines(fname: str, defines: tuple[str, ...]) -> tuple[str, ...]:
+    if not defines:
+        return ()
+    words = set(re.findall(r"\w+", source(fname)))
+    return tuple(d for d in defines if d[2:].partition("=")[0] in words)
+
+
+def parse_defines(text: str) -> tuple[str, ...]:
+    """The NVRTC -D options of a GGUF_PREFILL_KERNEL_DEFINES text (ValueError naming a bad entry)."""
+    return _parse_defines(text)
+
+
 @functools.lru_cache(maxsize=8)
 def _parse_defines(text: str) -> tuple[str, ...]:
     out = []
@@ -151,8 +171,11 @@ def define_value(name: str, default: int) -> int:
     return default
 
 
-_modules: dict[tuple[int, str, str], object] = {}
-_kernels: dict[tuple[int, str, str], object] = {}
+# Compiled modules and kernels per (device, file, instance or name, file_defines): a process
+# that changes GGUF_PREFILL_KERNEL_DEFINES between launches (dev/attn_bench, dev/ab_bench: define
+# sets side by side in one process) gets each set's own build.
+_modules: dict[tuple[int, str, str, tuple[str, ...]], object] = {}
+_kernels: dict[tuple[int, str, str, tuple[str, ...]], object] = {}
 _lowered: dict[tuple[int, str, str], str] = {}     # (device, file, name expression) -> symbol
 
 
@@ -165,7 +188,7 @@ def nvrtc_ptx(fname: str, names, arch: str = SM90A_ARCH) -> tuple[str, dict[str,
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, list(OPTIONS + kernel_defines() + CUPY_ADDED_OPTIONS + (f"-arch={arch}",)))
+            nvrtc.compileProgram(prog, list(OPTIONS + file_defines(fname) + CUPY_ADDED_OPTIONS + (f"-arch={arch}",)))
         except Exception as e:
             raise RuntimeError(f"{fname}: NVRTC compile failed: {e}\n{nvrtc.getProgramLog(prog)}") from e
         ptx = nvrtc.getPTX(prog)
@@ -203,7 +226,7 @@ def get_module(fname: str, instance: str | None = None):
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (dev, fname, instance or "")
+    key = (dev, fname, instance or "", file_defines(fname))
     mod = _modules.get(key)
     if mod is None:
         names = [instance] if instance else list(INSTANCES.get(fname, ()))
@@ -212,7 +235,7 @@ def get_module(fname: str, instance: str | None = None):
             _lowered.update({(dev, fname, n): sym for n, sym in lowered.items()})
             _modules[key] = mod
             return mod
-        mod = cupy.RawModule(code=source(fname), options=OPTIONS + kernel_defines(),
+        mod = cupy.RawModule(code=source(fname), options=OPTIONS + file_defines(fname),
                              name_expressions=names or None)
         mod.compile()
         _modules[key] = mod
@@ -226,7 +249,7 @@ def get_kernel(fname: str, name: str, dynamic_smem: int = 0) -> Kernel:
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (dev, fname, name)
+    key = (dev, fname, name, file_defines(fname))
     k = _kernels.get(key)
     if k is None:
         mod = get_module(fname, name if "<" in name or fname in SM90A_FILES else None)

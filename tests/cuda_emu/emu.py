@@ -159,7 +159,7 @@ def _submit(fn):
 
 # ----------------------------------------------------------------------------- kernels
 
-_libs: dict[str, ctypes.CDLL] = {}
+_libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL] = {}
 _emu_lib_names: dict[str, set] = {}
 
 
@@ -174,14 +174,15 @@ def _param_types(params: str) -> list[str]:
 def _build(fname: str):
     from engine.gpu import kernels
 
-    if fname in _libs:
-        return _libs[fname]
+    key_defines = (fname, kernels.file_defines(fname))    # one build per define set (in-process A/B)
+    if key_defines in _libs:
+        return _libs[key_defines]
     # the kernel file with the real kernels_cu headers inlined, exactly as NVRTC gets it
     # (common.cuh, numerics.cuh, ...; their GGP_EMU branches stand in for the PTX)
     src = kernels.source(fname)
     header = (HERE / "cuda_emu.h").read_text()
     # GGUF_PREFILL_KERNEL_DEFINES (engine.gpu.kernels.kernel_defines, -DNAME=VALUE) as #defines
-    defines = "".join(f"#define {d[2:].replace('=', ' ', 1)}\n" for d in kernels.kernel_defines())
+    defines = "".join(f"#define {d[2:].replace('=', ' ', 1)}\n" for d in kernels.file_defines(fname))
     full_src = defines + header + "\n" + src
     names = kernels.INSTANCES.get(fname, ())
     BUILD.mkdir(parents=True, exist_ok=True)
@@ -209,7 +210,7 @@ def _build(fname: str):
     lib = ctypes.CDLL(str(so))
     lib.emu_launch.restype = ctypes.c_int
     lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 6
-    _libs[fname] = lib
+    _libs[key_defines] = lib
     return lib
 
 
@@ -318,9 +319,12 @@ _kcache: dict = {}
 
 
 def get_kernel(fname, name, dynamic_smem=0):
-    k = _kcache.get((fname, name))
+    from engine.gpu import kernels
+
+    key = (fname, name, kernels.file_defines(fname))   # one build per define set, as on the GPU
+    k = _kcache.get(key)
     if k is None:
-        k = _kcache[(fname, name)] = EmuKernel(fname, name)
+        k = _kcache[key] = EmuKernel(fname, name)
     return k
 
 

@@ -1,0 +1,101 @@
+"""Kernel define sets side by side on one loaded model (issue 14's ratio, issue 12's rows): for
+each round, for each set of GGUF_PREFILL_KERNEL_DEFINES, the `bench` rows (engine.tools.bench:
+bench_pp after one warm-up, bench_tg), so every set runs in the same process, on the same
+weights, interleaved in time (clock and thermal drift fall on all sets alike) and the model
+loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compile).
+
+    python -m dev.ab_bench --model M --sets ";AW_PROD=1;AW_PROD=1,AW_PERSIST=1" -p 3314,8192 \
+        [-n 128] [-r 3] [--rounds 2] [--json F]
+
+--sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.
+Printed per set and test: the median tok/s over every round's repetitions, its ratio to the
+baseline's, and with two or more -p values each set's last-over-first pp ratio (issue 14's
+pp8192 / pp3314). The kernels module keeps one build per define set, and each row makes its own
+cache (so no CUDA graph of one set is replayed under another).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+ENV = "GGUF_PREFILL_KERNEL_DEFINES"
+
+
+def summarize(samples: dict[str, dict[str, list[float]]], sets: list[str], tests: list[str],
+              pp_tests: list[str]) -> list[dict]:
+    """Rows {set, test, median, ratio} from samples[set][test] = tok/s values; ratio = this
+    set's median over the first set's; with two or more pp tests, a row test="<last>/<first>"
+    per set holding the quotient of their medians."""
+    rows = []
+    for s in sets:
+        med = {t: statistics.median(samples[s][t]) for t in tests}
+        for t in tests:
+            base = statistics.median(samples[sets[0]][t])
+            rows.append(dict(set=s, test=t, median=med[t], ratio=med[t] / base, n=len(samples[s][t])))
+        if len(pp_tests) >= 2:
+            rows.append(dict(set=s, test=f"{pp_tests[-1]}/{pp_tests[0]}", median=med[pp_tests[-1]] / med[pp_tests[0]],
+                             ratio=None, n=None))
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    out = [f"| defines | test | tok/s median | vs first |", "|---|---|---|---|"]
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        value = f"{r['median']:.3f}" if r["ratio"] is None else f"{r['median']:,.1f}"
+        out.append(f"| {r['set'] or '(none)'} | {r['test']} | {value} | {ratio} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--sets", required=True, help="';'-separated define sets (first = baseline)")
+    ap.add_argument("-p", default="3314,8192", help="prompt lengths")
+    ap.add_argument("-n", default="0", help="generated lengths (tg rows)")
+    ap.add_argument("-r", type=int, default=3, help="repetitions per row and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+
+    from engine.gpu import kernels
+    from engine.loader import load_model
+    from engine.tools.bench import bench_pp, bench_tg, parse_int_list
+
+    sets = [s.strip() for s in a.sets.split(";")]
+    for s in sets:                                     # malformed entries fail before the load
+        kernels.parse_defines(s)
+    prompts = [p for p in parse_int_list(a.p, "-p") if p > 0]
+    gens = [n for n in parse_int_list(a.n, "-n") if n > 0]
+    model = load_model(a.model, device="gpu", progress=False)
+    samples: dict[str, dict[str, list[float]]] = {s: {} for s in sets}
+    tests: list[str] = []
+    saved = os.environ.get(ENV)
+    try:
+        for rnd in range(a.rounds):
+            for s in sets:
+                os.environ[ENV] = s
+                rows = [bench_pp(model, p, 0, a.r) for p in prompts] + [bench_tg(model, n, 0, a.r) for n in gens]
+                for row in rows:
+                    samples[s].setdefault(row.test, []).extend(row.samples_ts)
+                    if row.test not in tests:
+                        tests.append(row.test)
+                print(f"round {rnd + 1} [{s or '(none)'}]: " +
+                      ", ".join(f"{r.test} {r.median:,.1f}" for r in rows), flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+    out = summarize(samples, sets, tests, [f"pp{p}" for p in prompts])
+    print(format_rows(out))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(sets=sets, samples=samples, rows=out), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
