@@ -40,13 +40,19 @@ step_env() {
 }
 
 # GPU_TESTS: ';'-separated pytest argument lists, each run in its own process (a sticky CUDA
-# error in one cannot spoil the others). Default: every gpu-marked test under tests/.
+# error in one cannot spoil the others), each optionally led by NAME=VALUE words for its
+# environment (e.g. "GGUF_PREFILL_KERNEL_DEFINES=AW_PROD=1 tests/test_gpu_model.py -k attention").
+# Default: every gpu-marked test under tests/.
 step_tests() {
   local rc=0 args
   IFS=';' read -ra groups <<< "${GPU_TESTS:-tests/}"
   for args in "${groups[@]}"; do
     echo "--- pytest -m gpu $args"
-    eval "timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $args" 2>&1 | tee -a "$OUT/pytest_gpu.log"
+    local envs="" rest="$args"     # leading NAME=VALUE words: that group's environment
+    while [[ "$rest" =~ ^[[:space:]]*([A-Z_][A-Z0-9_]*=[^[:space:]]*)[[:space:]]+(.*)$ ]]; do
+      envs+="${BASH_REMATCH[1]} "; rest="${BASH_REMATCH[2]}"
+    done
+    eval "$envs timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $rest" 2>&1 | tee -a "$OUT/pytest_gpu.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   done
   return $rc
