@@ -8,7 +8,7 @@
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, defines); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, synth, defines); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -233,6 +233,28 @@ step_attn() {    # under a timeout: a hung kernel must not eat the call (Session
   return "${PIPESTATUS[0]}"
 }
 
+# Synthetic models made in the background (SYNTH_SHAPES; step synth at the top of STEPS lets
+# them build during the tests), /tmp/<shape>.gguf; synth_wait makes or waits for one.
+step_synth() {
+  local shape
+  for shape in ${SYNTH_SHAPES:-${DEFINE_SHAPES:-llama2-7b}}; do
+    [ -f "/tmp/$shape.started" ] && continue
+    touch "/tmp/$shape.started"
+    (timeout 400 python3 -m engine synth --shape "$shape" --random-blocks "/tmp/$shape.gguf" > /dev/null 2>&1 \
+        && touch "/tmp/$shape.done") &
+  done
+  return 0
+}
+synth_wait() {
+  local i
+  if [ ! -f "/tmp/$1.started" ]; then
+    touch "/tmp/$1.started"
+    timeout 300 python3 -m engine synth --shape "$1" --random-blocks "/tmp/$1.gguf" > /dev/null && touch "/tmp/$1.done"
+  fi
+  for i in $(seq 1 200); do [ -f "/tmp/$1.done" ] && return 0; sleep 2; done
+  return 1
+}
+
 # Kernel define sets side by side in one process each (DEFINE_SETS: ';'-separated
 # GGUF_PREFILL_KERNEL_DEFINES sets, an empty entry = production, the first the baseline):
 # dev/attn_bench on the attention cases, then dev/ab_bench's bench rows (DEFINE_PP, DEFINE_TG)
@@ -244,7 +266,7 @@ step_defines() {
       --defines "${DEFINE_SETS:-}" --json "$OUT/attn_defines.json" 2>&1 | tee "$OUT/attn_defines.log" || rc=1
   for shape in ${DEFINE_SHAPES:-llama2-7b}; do
     m=/tmp/$shape.gguf
-    [ -f "$m" ] || timeout 200 python3 -m engine synth --shape "$shape" --random-blocks "$m" > /dev/null || return 1
+    synth_wait "$shape" || return 1
     echo "--- $shape"
     timeout "${DEFINE_TIMEOUT:-240}" python3 -m dev.ab_bench --model "$m" --sets "${DEFINE_SETS:-}" \
         -p "${DEFINE_PP:-3314,8192}" -n "${DEFINE_TG:-0}" -r "${DEFINE_REPS:-3}" --rounds "${DEFINE_ROUNDS:-2}" \
