@@ -40,6 +40,12 @@
 // K / V tile, each as soon as its buffer's empty mbarrier allows (full counts its 128 threads),
 // with its registers lowered to AW_PROD_REGS (setmaxnreg) and the consumers' raised to
 // AW_CONS_REGS; the consumers only wait, compute and release.
+// AW_PERSIST=1 (A/B define, with AW_PROD; AW_SPLIT with AW_VST 2 to fit): grid = min(works, SMs)
+// blocks, block b running the (head, query tile) works b, b + grid, .. of the grid's launch order
+// (attention_common.cuh at_work). The rings and their mbarrier phases go on from work to work (the
+// body's tile j of a work is the block's tile jb + j) and Q has two sets, work wi in set wi % 2
+// with a full / empty mbarrier pair each, so the producer loads the next work's Q and first tiles
+// while the consumers finish and store this one.
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
 // (its V) and kt in use, the rest loading); S of tile kt and P V of tile kt - 1 are issued together;
 // wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait
@@ -57,7 +63,7 @@
 // Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEAD, AT_TILE), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
 // bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers (AW_SPLIT: AW_KST + AW_VST
-// tiles in place of the stages, two mbarriers each).
+// tiles in place of the stages, two mbarriers each; AW_PERSIST: two Q sets, two mbarriers each).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 

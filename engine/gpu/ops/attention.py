@@ -68,7 +68,8 @@ def wgmma_persistent() -> bool:
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
     wgmma AW_STAGES x (K, V) tiles of AW_BK keys (AW_SPLIT: AW_KST K and AW_VST V tiles), a 64-row
-    Q tile per warpgroup, then two 8-byte mbarriers per stage (AW_SPLIT: per tile buffer)."""
+    Q tile per warpgroup (two sets under AW_PERSIST), then two 8-byte mbarriers per stage (AW_SPLIT:
+    per tile buffer; AW_PERSIST: and per Q set)."""
     if variant == "fa2":
         return 5 * 64 * head_dim * 2
     split = kernels.define_value("AW_SPLIT", 0)     # K and V rings of their own (an A/B define)
