@@ -270,7 +270,8 @@ __device__ __forceinline__ void attn_wgmma_body(
         __syncthreads();
     }
     if (AW_PROD) {                                    // FA3's warp specialisation
-        if (ROLE == AW_PRODUCER || (ROLE == AW_ANY && wg == AW_NWG)) {   // the producer: every tile, once its buffer is free
+        // The producer: every tile, each as soon as its buffer is free.
+        if (ROLE == AW_PRODUCER || (ROLE == AW_ANY && wg == AW_NWG)) {
             if (!AW_PERSIST) wg_setmaxnreg_dec<AW_PROD_REGS>();
             if (AW_PERSIST) {                         // Q once the work two before released the set
                 if (wi >= 2) mbar_wait(qempty0 + 8 * qs, ((wi >> 1) - 1) & 1);
@@ -455,32 +456,32 @@ __device__ __forceinline__ void attn_wgmma_entry(
         int start0, int maxT) {
     pdl_entry();
     const int start = start0 + (startp ? *startp : 0);
-    if (!AW_PERSIST) {
+    if constexpr (!AW_PERSIST) {
         const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;
         attn_wgmma_body<HD, OUT, AW_ANY>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), start + q0, 0,
                                          maxT, AT_HEAD, 0, 0);
-        return;
-    }
-    const int nt = (n + AW_BQ - 1) / AW_BQ;
-    // Each role its own loop (setmaxnreg's register ceiling holds for the code after it).
-    auto works = [&](auto role) {
-        int jb = 0, wi = 0;                           // the block's key tiles and works so far
-        for (int b = (int)blockIdx.x; b < H * nt; b += (int)gridDim.x, ++wi) {
-            const int2 ht = at_work(b, H, nt);
-            const int q0 = (nt - 1 - ht.y) * AW_BQ, nq = min(AW_BQ, n - q0);
-            attn_wgmma_body<HD, OUT, decltype(role)::value>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq, start + q0, 0,
-                                                            maxT, ht.x, jb, wi);
-            jb += (start + q0 + nq - 1) / AW_BK + 1;
-        }
-    };
-    if (threadIdx.x >= 128 * AW_NWG) {                // the producer warpgroup
-        wg_setmaxnreg_dec<AW_PROD_REGS>();
-        works(AwRole<AW_PRODUCER>());
-        cp_async_commit();
-        cp_async_wait<0>();                           // its last copies landed
     } else {
-        wg_setmaxnreg_inc<AW_CONS_REGS>();
-        works(AwRole<AW_CONSUMER>());
+        const int nt = (n + AW_BQ - 1) / AW_BQ;
+        // Each role its own loop (setmaxnreg's register ceiling holds for the code after it).
+        auto works = [&](auto role) {
+            int jb = 0, wi = 0;                       // the block's key tiles and works so far
+            for (int b = (int)blockIdx.x; b < H * nt; b += (int)gridDim.x, ++wi) {
+                const int2 ht = at_work(b, H, nt);
+                const int q0 = (nt - 1 - ht.y) * AW_BQ, nq = min(AW_BQ, n - q0);
+                attn_wgmma_body<HD, OUT, decltype(role)::value>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq,
+                                                                start + q0, 0, maxT, ht.x, jb, wi);
+                jb += (start + q0 + nq - 1) / AW_BK + 1;
+            }
+        };
+        if (threadIdx.x >= 128 * AW_NWG) {            // the producer warpgroup
+            wg_setmaxnreg_dec<AW_PROD_REGS>();
+            works(AwRole<AW_PRODUCER>());
+            cp_async_commit();
+            cp_async_wait<0>();                       // its last copies landed
+        } else {
+            wg_setmaxnreg_inc<AW_CONS_REGS>();
+            works(AwRole<AW_CONSUMER>());
+        }
     }
 }
 
