@@ -4,10 +4,12 @@ bench_pp after one warm-up, bench_tg), so every set runs in the same process, on
 weights, interleaved in time (clock and thermal drift fall on all sets alike) and the model
 loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compile).
 
-    python -m dev.ab_bench --model M --sets ";AW_PROD=1;AW_PROD=1,AW_PERSIST=1" -p 3314,8192 \
+    python -m dev.ab_bench --model M[,M2,..] --sets ";AW_PROD=1;AW_PROD=1,AW_PERSIST=1" -p 3314,8192 \
         [-n 128] [-r 3] [--rounds 2] [--json F]
 
 --sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.
+Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
+kernels compile once).
 Printed per set and test: the median tok/s over every round's repetitions, its ratio to the
 baseline's, and with two or more -p values each set's last-over-first pp ratio (issue 14's
 pp8192 / pp3314). The kernels module keeps one build per define set, and each row makes its own
@@ -51,7 +53,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, help="GGUF file(s), comma-separated")
     ap.add_argument("--sets", required=True, help="';'-separated define sets (first = baseline)")
     ap.add_argument("-p", default="3314,8192", help="prompt lengths")
     ap.add_argument("-n", default="0", help="generated lengths (tg rows)")
@@ -69,15 +71,30 @@ def main(argv=None) -> int:
         kernels.parse_defines(s)
     prompts = [p for p in parse_int_list(a.p, "-p") if p > 0]
     gens = [n for n in parse_int_list(a.n, "-n") if n > 0]
-    model = load_model(a.model, device="gpu", progress=False)
+    results = {}
+    for path in a.model.split(","):
+        model = load_model(path, device="gpu", progress=False)
+        samples, tests = run_sets(model, sets, prompts, gens, a.r, a.rounds, bench_pp, bench_tg)
+        del model
+        out = summarize(samples, sets, tests, [f"pp{p}" for p in prompts])
+        print(f"--- {path}\n" + format_rows(out), flush=True)
+        results[path] = dict(samples=samples, rows=out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(sets=sets, models=results), f, indent=1)
+    return 0
+
+
+def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
+    """samples[set][test] (tok/s of every repetition of every round) and the tests in order."""
     samples: dict[str, dict[str, list[float]]] = {s: {} for s in sets}
     tests: list[str] = []
     saved = os.environ.get(ENV)
     try:
-        for rnd in range(a.rounds):
+        for rnd in range(rounds):
             for s in sets:
                 os.environ[ENV] = s
-                rows = [bench_pp(model, p, 0, a.r) for p in prompts] + [bench_tg(model, n, 0, a.r) for n in gens]
+                rows = [bench_pp(model, p, 0, reps) for p in prompts] + [bench_tg(model, n, 0, reps) for n in gens]
                 for row in rows:
                     samples[s].setdefault(row.test, []).extend(row.samples_ts)
                     if row.test not in tests:
@@ -89,12 +106,7 @@ def main(argv=None) -> int:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
-    out = summarize(samples, sets, tests, [f"pp{p}" for p in prompts])
-    print(format_rows(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(sets=sets, samples=samples, rows=out), f, indent=1)
-    return 0
+    return samples, tests
 
 
 if __name__ == "__main__":

@@ -258,20 +258,21 @@ synth_wait() {
 # Kernel define sets side by side in one process each (DEFINE_SETS: ';'-separated
 # GGUF_PREFILL_KERNEL_DEFINES sets, an empty entry = production, the first the baseline):
 # dev/attn_bench on the attention cases, then dev/ab_bench's bench rows (DEFINE_PP, DEFINE_TG)
-# on each synthetic shape of DEFINE_SHAPES, rounds interleaved, with the pp8192 / pp3314 quotient.
+# on each synthetic shape of DEFINE_SHAPES (one process), rounds interleaved, with the pp8192 /
+# pp3314 quotient.
 step_defines() {
   local shape m rc=0
   timeout "${ATTN_TIMEOUT:-150}" python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" --variants wgmma \
       --cases "${ATTN_CASES:-4096@4096,3314@0,4096@0}" --heads "${ATTN_HEADS:-32/32,28/4}" \
       --defines "${DEFINE_SETS:-}" --json "$OUT/attn_defines.json" 2>&1 | tee "$OUT/attn_defines.log" || rc=1
+  local models=""
   for shape in ${DEFINE_SHAPES:-llama2-7b}; do
-    m=/tmp/$shape.gguf
     synth_wait "$shape" || return 1
-    echo "--- $shape"
-    timeout "${DEFINE_TIMEOUT:-240}" python3 -m dev.ab_bench --model "$m" --sets "${DEFINE_SETS:-}" \
-        -p "${DEFINE_PP:-3314,8192}" -n "${DEFINE_TG:-0}" -r "${DEFINE_REPS:-3}" --rounds "${DEFINE_ROUNDS:-2}" \
-        --json "$OUT/ab_$shape.json" 2>&1 | grep -v "^loading" | tee "$OUT/ab_$shape.log" || rc=1
+    models+="${models:+,}/tmp/$shape.gguf"
   done
+  timeout "${DEFINE_TIMEOUT:-400}" python3 -m dev.ab_bench --model "$models" --sets "${DEFINE_SETS:-}" \
+      -p "${DEFINE_PP:-3314,8192}" -n "${DEFINE_TG:-0}" -r "${DEFINE_REPS:-3}" --rounds "${DEFINE_ROUNDS:-2}" \
+      --json "$OUT/ab_defines.json" 2>&1 | grep -v "^loading" | tee "$OUT/ab_defines.log" || rc=1
   return $rc
 }
 
