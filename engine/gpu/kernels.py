@@ -188,7 +188,8 @@ def nvrtc_ptx(fname: str, names, arch: str = SM90A_ARCH) -> tuple[str, dict[str,
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, list(OPTIONS + file_defines(fname) + CUPY_ADDED_OPTIONS + (f"-arch={arch}",)))
+            opts = OPTIONS + file_defines(fname) + CUPY_ADDED_OPTIONS + (f"-arch={arch}",)
+            nvrtc.compileProgram(prog, list(opts))
         except Exception as e:
             raise RuntimeError(f"{fname}: NVRTC compile failed: {e}\n{nvrtc.getProgramLog(prog)}") from e
         ptx = nvrtc.getPTX(prog)
