@@ -124,7 +124,7 @@
 #endif
 #define AW_PP_BAR 8                       // named barriers 8 ..: warpgroup w waits at 8 + w for its turn
 
-enum { AW_ANY = 0, AW_PRODUCER = 1, AW_CONSUMER = 2 };   // the body's role: by warpgroup, or fixed
+enum { AW_ALL = 0, AW_PRODUCER = 1, AW_CONSUMER = 2 };   // the body's role (AW_ALL: no producer)
 template <int R>
 struct AwRole {
     static constexpr int value = R;
@@ -142,11 +142,14 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr int NP = AW_BK / 16;        // k16 steps of P V
     constexpr int TILE = AW_BK * ROWB;    // bytes of one K or V tile
     constexpr int QTILE = 64 * ROWB;      // bytes of one warpgroup's Q tile
-    // Buffer of K tile j and of V tile j: the stage's halves, or the two rings (K first). The rings
-    // go on across a persistent block's works: tile j of this one is the block's tile jb + j.
-    auto kbuf = [&](int j) -> u32 { return AW_SPLIT ? ((jb + j) % AW_KN) * TILE : ((jb + j) % AW_KN) * 2 * TILE; };
+    // Tile j of this work in a ring of n buffers: the block's tile jb + j (the rings go on across a
+    // persistent block's works), in buffer slot(j, n), the use of parity(j, n) of its mbarriers.
+    auto slot = [&](int j, int n) { return (jb + j) % n; };
+    auto parity = [&](int j, int n) -> u32 { return ((jb + j) / n) & 1; };
+    // Buffer of K tile j and of V tile j: the stage's halves, or the two rings (K first).
+    auto kbuf = [&](int j) -> u32 { return AW_SPLIT ? slot(j, AW_KN) * TILE : slot(j, AW_KN) * 2 * TILE; };
     auto vbuf = [&](int j) -> u32 {
-        return AW_SPLIT ? (AW_KN + (jb + j) % AW_VN) * TILE : ((jb + j) % AW_VN) * 2 * TILE + TILE;
+        return AW_SPLIT ? (AW_KN + slot(j, AW_VN)) * TILE : slot(j, AW_VN) * 2 * TILE + TILE;
     };
     constexpr u32 ATOM = AW_BK * 128;     // bytes of one 64-column atom column of a K / V tile
     constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
@@ -238,19 +241,19 @@ __device__ __forceinline__ void attn_wgmma_body(
     // Tile j's copies in a ring of n buffers: once every warp released the buffer's previous tile,
     // this thread's copies, then its arrival on the buffer's full mbarrier when they have landed.
     auto claim = [&](u32 empty0, int n, int j) {
-        if (jb + j >= n) mbar_wait(empty0 + 8 * ((jb + j) % n), ((jb + j) / n - 1) & 1);
+        if (jb + j >= n) mbar_wait(empty0 + 8 * slot(j, n), parity(j, n) ^ 1);   // the buffer's previous use
     };
     auto produce_k = [&](int j) {
         if (j >= nkt) return;
         claim(kempty0, AW_KN, j);
         load(j, Kch, kvdst + kbuf(j), kvdst + vbuf(j));
-        cp_async_mbar_arrive(kfull0 + 8 * ((jb + j) % AW_KN));
+        cp_async_mbar_arrive(kfull0 + 8 * slot(j, AW_KN));
     };
     auto produce_v = [&](int j) {
         if (!AW_SPLIT || j >= nkt) return;
         claim(vempty0, AW_VN, j);
         load(j, Vch, kvdst + vbuf(j), 0);
-        cp_async_mbar_arrive(vfull0 + 8 * ((jb + j) % AW_VN));
+        cp_async_mbar_arrive(vfull0 + 8 * slot(j, AW_VN));
     };
     // The copies a thread issues at key tile kt (after its wgmmas; for the tiles it passes). Under
     // AW_PROD the consumers copy nothing: the producer warpgroup copies every tile (below).
@@ -269,26 +272,20 @@ __device__ __forceinline__ void attn_wgmma_body(
         fence_proxy_async();
         __syncthreads();
     }
-    if (AW_PROD) {                                    // FA3's warp specialisation
-        // The producer: every tile, each as soon as its buffer is free.
-        if (ROLE == AW_PRODUCER || (ROLE == AW_ANY && wg == AW_NWG)) {
-            if (!AW_PERSIST) wg_setmaxnreg_dec<AW_PROD_REGS>();
-            if (AW_PERSIST) {                         // Q once the work two before released the set
-                if (wi >= 2) mbar_wait(qempty0 + 8 * qs, ((wi >> 1) - 1) & 1);
-                load_q(ctid, AW_NCP);
-                cp_async_mbar_arrive(qfull0 + 8 * qs);
-            }
-            for (int j = 0; j < nkt; ++j) {
-                produce_k(j);
-                produce_v(j);
-            }
-            if (!AW_PERSIST) {                        // (persistent: at the block's end)
-                cp_async_commit();
-                cp_async_wait<0>();                   // its last copies landed
-            }
-            return;
+    // FA3's warp specialisation: the producer copies every tile, each as soon as its buffer is
+    // free (AW_PERSIST: first the work's Q, once the work two before released its set); the entry
+    // waits for its last copies.
+    if constexpr (ROLE == AW_PRODUCER) {
+        if (AW_PERSIST) {
+            if (wi >= 2) mbar_wait(qempty0 + 8 * qs, ((wi >> 1) - 1) & 1);
+            load_q(ctid, AW_NCP);
+            cp_async_mbar_arrive(qfull0 + 8 * qs);
         }
-        if (!AW_PERSIST) wg_setmaxnreg_inc<AW_CONS_REGS>();
+        for (int j = 0; j < nkt; ++j) {
+            produce_k(j);
+            produce_v(j);
+        }
+        return;
     }
     if (AW_PERSIST) {                                 // this work's Q landed
         mbar_wait(qfull0 + 8 * qs, (wi >> 1) & 1);
@@ -331,18 +328,18 @@ __device__ __forceinline__ void attn_wgmma_body(
     // copies visible to this thread's wgmmas). A warp releases tile kt's K once its S has landed
     // (AW_SPLIT), its V (else the stage) once its P V has.
     auto wait_v = [&](int kt) {
-        if (AW_SPLIT && kt >= 0) mbar_wait(vfull0 + 8 * ((jb + kt) % AW_VN), ((jb + kt) / AW_VN) & 1);
+        if (AW_SPLIT && kt >= 0) mbar_wait(vfull0 + 8 * slot(kt, AW_VN), parity(kt, AW_VN));
     };
     auto next_tile = [&](int kt) {
-        mbar_wait(kfull0 + 8 * ((jb + kt) % AW_KN), ((jb + kt) / AW_KN) & 1);
+        mbar_wait(kfull0 + 8 * slot(kt, AW_KN), parity(kt, AW_KN));
         wait_v(kt - 1);
         fence_proxy_async();
     };
     auto release_k = [&](int kt) {
-        if (AW_SPLIT && lane == 0) mbar_arrive(kempty0 + 8 * ((jb + kt) % AW_KN));
+        if (AW_SPLIT && lane == 0) mbar_arrive(kempty0 + 8 * slot(kt, AW_KN));
     };
     auto release_v = [&](int kt) {
-        if (lane == 0) mbar_arrive(vempty0 + 8 * ((jb + kt) % AW_VN));
+        if (lane == 0) mbar_arrive(vempty0 + 8 * slot(kt, AW_VN));
     };
     auto release_q = [&]() {                          // AW_PERSIST: the warp's wgmmas of the work done
         if (AW_PERSIST && lane == 0) mbar_arrive(qempty0 + 8 * qs);
@@ -448,7 +445,8 @@ __device__ __forceinline__ void attn_wgmma_body(
 }
 
 // One block per (head, query tile), or (AW_PERSIST) one per SM taking works b, b + grid, .. in
-// the launch order of that grid (at_work), its rings and Q sets going on from work to work.
+// the launch order of that grid (at_work), its rings and Q sets going on from work to work; under
+// AW_PROD the producer warpgroup and the consumers each run the body in their role.
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_entry(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc, float* __restrict__ O,
@@ -456,32 +454,36 @@ __device__ __forceinline__ void attn_wgmma_entry(
         int start0, int maxT) {
     pdl_entry();
     const int start = start0 + (startp ? *startp : 0);
-    if constexpr (!AW_PERSIST) {
-        const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;
-        attn_wgmma_body<HD, OUT, AW_ANY>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), start + q0, 0,
-                                         maxT, AT_HEAD, 0, 0);
-    } else {
-        const int nt = (n + AW_BQ - 1) / AW_BQ;
-        // Each role its own loop (setmaxnreg's register ceiling holds for the code after it).
-        auto works = [&](auto role) {
-            int jb = 0, wi = 0;                       // the block's key tiles and works so far
+    // This block's works in a role: its (head, query tile), or (AW_PERSIST) b, b + grid, .. with
+    // jb the block's key tiles and wi its works before each.
+    auto works = [&](auto role) {
+        constexpr int R = decltype(role)::value;
+        if constexpr (!AW_PERSIST) {
+            const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;
+            attn_wgmma_body<HD, OUT, R>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), start + q0, 0,
+                                        maxT, AT_HEAD, 0, 0);
+        } else {
+            const int nt = (n + AW_BQ - 1) / AW_BQ;
+            int jb = 0, wi = 0;
             for (int b = (int)blockIdx.x; b < H * nt; b += (int)gridDim.x, ++wi) {
                 const int2 ht = at_work(b, H, nt);
                 const int q0 = (nt - 1 - ht.y) * AW_BQ, nq = min(AW_BQ, n - q0);
-                attn_wgmma_body<HD, OUT, decltype(role)::value>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq,
-                                                                start + q0, 0, maxT, ht.x, jb, wi);
+                attn_wgmma_body<HD, OUT, R>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq, start + q0, 0, maxT, ht.x, jb,
+                                            wi);
                 jb += (start + q0 + nq - 1) / AW_BK + 1;
             }
-        };
-        if (threadIdx.x >= 128 * AW_NWG) {            // the producer warpgroup
-            wg_setmaxnreg_dec<AW_PROD_REGS>();
-            works(AwRole<AW_PRODUCER>());
-            cp_async_commit();
-            cp_async_wait<0>();                       // its last copies landed
-        } else {
-            wg_setmaxnreg_inc<AW_CONS_REGS>();
-            works(AwRole<AW_CONSUMER>());
         }
+    };
+    if constexpr (!AW_PROD) {
+        works(AwRole<AW_ALL>());
+    } else if (threadIdx.x >= 128 * AW_NWG) {         // the producer warpgroup (setmaxnreg: each role
+        wg_setmaxnreg_dec<AW_PROD_REGS>();            // its own code after it)
+        works(AwRole<AW_PRODUCER>());
+        cp_async_commit();
+        cp_async_wait<0>();                           // its last copies landed
+    } else {
+        wg_setmaxnreg_inc<AW_CONS_REGS>();
+        works(AwRole<AW_CONSUMER>());
     }
 }
 

@@ -235,13 +235,15 @@ step_attn() {    # under a timeout: a hung kernel must not eat the call (Session
 
 # Synthetic models made in the background (SYNTH_SHAPES; step synth at the top of STEPS lets
 # them build during the tests), /tmp/<shape>.gguf; synth_wait makes or waits for one.
+synth_make() {
+  timeout 400 python3 -m engine synth --shape "$1" --random-blocks "/tmp/$1.gguf" > /dev/null 2>&1 && touch "/tmp/$1.done"
+}
 step_synth() {
   local shape
   for shape in ${SYNTH_SHAPES:-${DEFINE_SHAPES:-llama2-7b}}; do
     [ -f "/tmp/$shape.started" ] && continue
     touch "/tmp/$shape.started"
-    (timeout 400 python3 -m engine synth --shape "$shape" --random-blocks "/tmp/$shape.gguf" > /dev/null 2>&1 \
-        && touch "/tmp/$shape.done") &
+    synth_make "$shape" &
   done
   return 0
 }
@@ -249,7 +251,7 @@ synth_wait() {
   local i
   if [ ! -f "/tmp/$1.started" ]; then
     touch "/tmp/$1.started"
-    timeout 300 python3 -m engine synth --shape "$1" --random-blocks "/tmp/$1.gguf" > /dev/null && touch "/tmp/$1.done"
+    synth_make "$1"
   fi
   for i in $(seq 1 200); do [ -f "/tmp/$1.done" ] && return 0; sleep 2; done
   return 1

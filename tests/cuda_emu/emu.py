@@ -174,9 +174,9 @@ def _param_types(params: str) -> list[str]:
 def _build(fname: str):
     from engine.gpu import kernels
 
-    key_defines = (fname, kernels.file_defines(fname))    # one build per define set (in-process A/B)
-    if key_defines in _libs:
-        return _libs[key_defines]
+    lib_key = (fname, kernels.file_defines(fname))        # one build per define set (in-process A/B)
+    if lib_key in _libs:
+        return _libs[lib_key]
     # the kernel file with the real kernels_cu headers inlined, exactly as NVRTC gets it
     # (common.cuh, numerics.cuh, ...; their GGP_EMU branches stand in for the PTX)
     src = kernels.source(fname)
@@ -210,7 +210,7 @@ def _build(fname: str):
     lib = ctypes.CDLL(str(so))
     lib.emu_launch.restype = ctypes.c_int
     lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 6
-    _libs[key_defines] = lib
+    _libs[lib_key] = lib
     return lib
 
 
