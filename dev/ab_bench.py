@@ -8,6 +8,7 @@ loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compi
         [-n 128] [-r 3] [--rounds 2] [--json F]
 
 --sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.
+`--keep-tested FILE --sets S` prints the sets that the GPU test groups of FILE leave (kept_sets).
 Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
 kernels compile once).
 Printed per set and test: the median tok/s over every round's repetitions, its ratio to the
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 ENV = "GGUF_PREFILL_KERNEL_DEFINES"
 
@@ -51,9 +53,40 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def kept_sets(sets: list[str], groups: list[tuple[bool, str]]) -> tuple[list[str], list[str]]:
+    """(kept, dropped) define sets after the GPU test groups `groups` = [(passed, their defines)]:
+    a set is dropped when a failed group ran every define of it and no passed group did (so a form
+    whose tests hung or failed is not timed, where a hang would take every set's rows with it).
+    The first set (the baseline) is always kept."""
+    from engine.gpu.kernels import parse_defines
+
+    kept, dropped = [], []
+    for i, s in enumerate(sets):
+        mine = set(parse_defines(s))
+        covering = [ok for ok, g in groups if mine <= set(parse_defines(g))]
+        if i > 0 and mine and covering and not any(covering):
+            dropped.append(s)
+        else:
+            kept.append(s)
+    return kept, dropped
+
+
+def read_groups(path: str) -> list[tuple[bool, str]]:
+    """Lines "pass DEFINES" / "fail DEFINES" (scripts/gpu_check.sh step tests)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            word, _, rest = line.strip().partition(" ")
+            if word in ("pass", "fail"):
+                out.append((word == "pass", rest.strip()))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="GGUF file(s), comma-separated")
+    ap.add_argument("--keep-tested", default="", metavar="FILE",
+                    help="print the --sets that the test groups of FILE leave (kept_sets) and exit")
+    ap.add_argument("--model", default="", help="GGUF file(s), comma-separated")
     ap.add_argument("--sets", required=True, help="';'-separated define sets (first = baseline)")
     ap.add_argument("-p", default="3314,8192", help="prompt lengths")
     ap.add_argument("-n", default="0", help="generated lengths (tg rows)")
@@ -61,6 +94,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    if a.keep_tested:
+        kept, dropped = kept_sets([s.strip() for s in a.sets.split(";")], read_groups(a.keep_tested))
+        for s in dropped:
+            print(f"dropped (its GPU tests failed): {s}", file=sys.stderr)
+        print(";".join(kept))
+        return 0
+    if not a.model:
+        ap.error("--model is required")
 
     from engine.gpu import kernels
     from engine.loader import load_model

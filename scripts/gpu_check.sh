@@ -17,6 +17,7 @@ OUT="${OUT:-$PWD/.gpu_out}"
 mkdir -p "$OUT"
 export GPU_REPORT="$OUT/gpu_report.jsonl"
 : > "$GPU_REPORT"
+rm -f "$OUT/test_groups.txt"
 STEPS="${STEPS:-tests bench}"
 STATUS=0
 
@@ -53,7 +54,10 @@ step_tests() {
       envs+="${BASH_REMATCH[1]} "; rest="${BASH_REMATCH[2]}"
     done
     eval "$envs timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE $rest" 2>&1 | tee -a "$OUT/pytest_gpu.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    local status="${PIPESTATUS[0]}" verdict=pass
+    [ "$status" -eq 0 ] || { rc=1; verdict=fail; }
+    # the group's kernel defines and verdict, for step defines (dev/ab_bench --keep-tested)
+    [[ "$envs" =~ GGUF_PREFILL_KERNEL_DEFINES=([^[:space:]]*) ]] && echo "$verdict ${BASH_REMATCH[1]}" >> "$OUT/test_groups.txt"
   done
   return $rc
 }
@@ -261,9 +265,12 @@ synth_wait() {
 # GGUF_PREFILL_KERNEL_DEFINES sets, an empty entry = production, the first the baseline):
 # dev/attn_bench on the attention cases, then dev/ab_bench's bench rows (DEFINE_PP, DEFINE_TG)
 # on each synthetic shape of DEFINE_SHAPES (one process), rounds interleaved, with the pp8192 /
-# pp3314 quotient.
+# pp3314 quotient. Sets that a failed GPU_TESTS group covers are left out (kept_sets).
 step_defines() {
-  local shape m rc=0
+  local shape m rc=0 DEFINE_SETS="${DEFINE_SETS:-}"
+  if [ -f "$OUT/test_groups.txt" ]; then      # a form whose GPU tests failed or hung is not timed
+    DEFINE_SETS="$(python3 -m dev.ab_bench --keep-tested "$OUT/test_groups.txt" --sets "$DEFINE_SETS")" || return 1
+  fi
   timeout "${ATTN_TIMEOUT:-150}" python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" --variants wgmma \
       --cases "${ATTN_CASES:-4096@4096,3314@0,4096@0}" --heads "${ATTN_HEADS:-32/32,28/4}" \
       --defines "${DEFINE_SETS:-}" --json "$OUT/attn_defines.json" 2>&1 | tee "$OUT/attn_defines.log" || rc=1

@@ -174,3 +174,20 @@ def test_ab_bench_summary():
     assert by[("X=1", "pp20/pp10")]["median"] == pytest.approx(0.90)
     text = format_rows(rows)
     assert "| (none) | pp10 | 100.0 | 1.000 |" in text and "| X=1 | pp20/pp10 | 0.900 |  |" in text
+
+
+def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
+    """dev/ab_bench --keep-tested: a define set that only failed GPU test groups ran is not timed
+    (a hung form would take every set's rows with it); one a passed group covers, one no group
+    covers, and the baseline stay."""
+    from dev.ab_bench import main
+
+    groups = tmp_path / "test_groups.txt"
+    groups.write_text("fail A=1,B=1,P=5\npass A=1\n")
+    assert main(["--keep-tested", str(groups), "--sets", ";A=1;A=1,B=1;C=4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == ";A=1;C=4"
+    assert "dropped (its GPU tests failed): A=1,B=1" in out.err
+    groups.write_text("fail A=1\n")
+    assert main(["--keep-tested", str(groups), "--sets", "A=1;A=1"]) == 0
+    assert capsys.readouterr().out.strip() == "A=1"
