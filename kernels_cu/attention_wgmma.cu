@@ -60,7 +60,7 @@
 // block (2), AW_BK keys per K/V tile (128; 64 makes S m64n64, then AW_STAGES 4), AW_STAGES (3),
 // AW_PP (1). 128-key tiles halve the fences and softmax rounds per key (H200, 4096@4096: 1.11x
 // the 64-key form; docs/perf-log.md, Session 18).
-// Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: AT_HEAD, AT_TILE), q tiles in reverse order
+// Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: at_head_tile), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
 // bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers (AW_SPLIT: AW_KST + AW_VST
 // tiles in place of the stages, two mbarriers each; AW_PERSIST: two Q sets, two mbarriers each).
@@ -105,6 +105,9 @@
 #define AW_NWG 2                          // warpgroups per block, 64 queries each (3: an A/B define)
 #endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
+#ifndef AW_MHA_GROUP                      // G > 0 (A/B define): where every query head has its own KV
+#define AW_MHA_GROUP 0                    // head (H == KVH), the blocks go out G heads at a time
+#endif                                    // (attention_common.cuh at_work; AT_HGROUP overrides it)
 #ifndef AW_PROD
 #define AW_PROD 0                         // 1 (A/B define): one more warpgroup issues every K/V copy
 #endif
@@ -454,19 +457,21 @@ __device__ __forceinline__ void attn_wgmma_entry(
         int start0, int maxT) {
     pdl_entry();
     const int start = start0 + (startp ? *startp : 0);
+    const int G = AT_HGROUP > 0 ? AT_HGROUP : (H == KVH ? AW_MHA_GROUP : 0);   // heads per group (at_work)
     // This block's works in a role: its (head, query tile), or (AW_PERSIST) b, b + grid, .. with
     // jb the block's key tiles and wi its works before each.
     auto works = [&](auto role) {
         constexpr int R = decltype(role)::value;
         if constexpr (!AW_PERSIST) {
-            const int q0 = (AT_NTILES - 1 - AT_TILE) * AW_BQ;
+            const int2 ht = at_head_tile(G);
+            const int q0 = (AT_NTILES - 1 - ht.y) * AW_BQ;
             attn_wgmma_body<HD, OUT, R>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), start + q0, 0,
-                                        maxT, AT_HEAD, 0, 0);
+                                        maxT, ht.x, 0, 0);
         } else {
             const int nt = (n + AW_BQ - 1) / AW_BQ;
             int jb = 0, wi = 0;
             for (int b = (int)blockIdx.x; b < H * nt; b += (int)gridDim.x, ++wi) {
-                const int2 ht = at_work(b, H, nt);
+                const int2 ht = at_work(b, H, nt, G);
                 const int q0 = (nt - 1 - ht.y) * AW_BQ, nq = min(AW_BQ, n - q0);
                 attn_wgmma_body<HD, OUT, R>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq, start + q0, 0, maxT, ht.x, jb,
                                             wi);

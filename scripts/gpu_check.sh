@@ -85,8 +85,8 @@ step_small() {
   local rc=$?
   python3 -m dev.gemm_pick "$OUT/gemm_small.json" || rc=1
   [ "${SMALL_PP:-}" = none ] && return $rc     # the GEMM rows only
-  local m=/tmp/l7b.gguf
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  local m=/tmp/llama2-7b.gguf
+  synth_wait llama2-7b || return 1
   timeout 300 python3 -m engine bench --model "$m" --device gpu -p "${SMALL_PP:-1,8,32,64,128}" -r 5 --breakdown \
       > "$OUT/bench_small.txt" 2> "$OUT/bench_small.err" || rc=1
   tr '\r' '\n' < "$OUT/bench_small.err" | grep -v '^$' | tail -5
@@ -125,8 +125,8 @@ step_ncu() {
 # pp1..pp128 (short prompts: the prefill graph), pp512, pp3314 (prefill) and tg128 (CUDA-graph
 # decode), medians of PERF_REPS.
 step_perf() {
-  local m=/tmp/l7b.gguf
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  local m=/tmp/llama2-7b.gguf
+  synth_wait llama2-7b || return 1
   timeout 420 python3 -m engine bench --model "$m" --device gpu -p "${PERF_PP:-1,8,16,32,64,128,512,3314}" -n 128 -r "${PERF_REPS:-5}" \
       --json > "$OUT/perf.json" 2> "$OUT/perf.err"
   local rc=$?
@@ -140,8 +140,8 @@ step_perf() {
 # shared-prefix probe (two requests with the same 2,000-token prefix, one after the other) and the
 # server's batching metrics (step_llama puts llama.cpp's batched rows beside them).
 step_load() {
-  local m=/tmp/l7b.gguf port=8093 rc=0 i
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  local m=/tmp/llama2-7b.gguf port=8093 rc=0 i
+  synth_wait llama2-7b || return 1
   python3 -m engine serve -m "$m" --device gpu --host 127.0.0.1 --port $port --parallel "${LOAD_NP:-32}" \
       --max-queue 512 ${LOAD_ARGS:-} > "$OUT/serve.log" 2>&1 &
   local pid=$!
@@ -171,8 +171,8 @@ PY
 # an earlier call of the same warm lease): llama-batched-bench (npp 256, ntg 128, npl 1,8,32: the
 # rows of `bench --batched`) and llama-bench (LLAMA_PP, tg128).
 step_llama() {
-  local m=/tmp/l7b.gguf rc=0 bin=/tmp/llama.cpp/build/bin
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  local m=/tmp/llama2-7b.gguf rc=0 bin=/tmp/llama.cpp/build/bin
+  synth_wait llama2-7b || return 1
   [ -x $bin/llama-batched-bench ] || wait_llama || return 1
   timeout 200 $bin/llama-batched-bench -m "$m" -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
       -npp 256 -ntg 128 -npl 1,8,32 > "$OUT/llama_batched.txt" 2>&1 || rc=1
@@ -187,8 +187,8 @@ step_llama() {
 # scheduler: npl sequences of 256 prompt tokens, 128 generated each), with a per-op breakdown of
 # the decode-only step at each npl.
 step_batched() {
-  local m=/tmp/l7b.gguf
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  local m=/tmp/llama2-7b.gguf
+  synth_wait llama2-7b || return 1
   timeout 300 python3 -m engine bench --model "$m" --device gpu --batched "${BATCHED_NPL:-1,8,32}" --npp 256 \
       --ntg 128 -r "${BATCHED_REPS:-3}" ${BATCHED_ARGS:---breakdown} > "$OUT/batched.txt" 2> "$OUT/batched.err"
   local rc=$?
@@ -292,8 +292,7 @@ step_hopper_pp() {
   local shape m rc=0 mode pp="${HOPPER_PP:-512,3314}"
   for shape in ${HOPPER_PP_SHAPES:-llama2-7b}; do
     m=/tmp/$shape.gguf
-    [ "$shape" = llama2-7b ] && m=/tmp/l7b.gguf
-    [ -f "$m" ] || timeout 120 python3 -m engine synth --shape "$shape" --random-blocks "$m" || return 1
+    synth_wait "$shape" || return 1
     for mode in ${HOPPER_PP_MODES:-0 1}; do
       GGUF_PREFILL_WGMMA=$mode timeout 300 python3 -m engine bench --model "$m" --device gpu -p "$pp" \
           -r "${HOPPER_REPS:-5}" --breakdown --json > "$OUT/hopper_pp_${shape}_$mode.json" 2> "$OUT/hopper_pp_${shape}_$mode.err" || rc=1
@@ -312,12 +311,12 @@ step_splits() {
   return "${PIPESTATUS[0]}"
 }
 
-# Kernel time of a batched decode step (PROFILE_NPL slots at depth 256, one graph replay after two
-# warm-up steps) from Nsight Compute: each kernel node's duration (no event overhead; kernels
+# Kernel time of a batched decode step (PROFILE_NPL slots at depth PROFILE_DEPTH (256), PROFILE_STEPS
+# graph replays (1) after two warm-up steps; PROFILE_NPL=1: the single-stream decode graph) from Nsight Compute: each kernel node's duration (no event overhead; kernels
 # serialized, caches not flushed), summed per kernel family by scripts/kern_summary.py.
 step_profile() {
-  local m=/tmp/l7b.gguf ncu npl
-  [ -f "$m" ] || timeout 120 python3 -m engine synth --shape llama2-7b --random-blocks "$m" || return 1
+  local m=/tmp/llama2-7b.gguf ncu npl
+  synth_wait llama2-7b || return 1
   ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
   for npl in ${PROFILE_NPL:-32}; do
@@ -325,9 +324,9 @@ step_profile() {
       [ "$bps" = 0 ] && bps=""              # 0: the production value
       timeout 300 "$ncu" --profile-from-start off --graph-profiling node --cache-control none --clock-control none \
           --metrics gpu__time_duration.sum --csv --print-units base \
-          python3 -m dev.step_profile "$m" "$npl" 256 1 $bps > "$OUT/kern_$npl$bps.csv" 2> "$OUT/profile_$npl.err" \
+          python3 -m dev.step_profile "$m" "$npl" "${PROFILE_DEPTH:-256}" "${PROFILE_STEPS:-1}" $bps > "$OUT/kern_$npl$bps.csv" 2> "$OUT/profile_$npl.err" \
           || { tail -5 "$OUT/profile_$npl.err"; tail -3 "$OUT/kern_$npl$bps.csv"; return 1; }
-      python3 scripts/kern_summary.py "$OUT/kern_$npl$bps.csv" 1 "x$npl ${bps:+blocks/SM $bps}" | head -${PROFILE_LINES:-14}
+      python3 scripts/kern_summary.py "$OUT/kern_$npl$bps.csv" "${PROFILE_STEPS:-1}" "x$npl ${bps:+blocks/SM $bps}" | head -${PROFILE_LINES:-14}
     done
   done
 }

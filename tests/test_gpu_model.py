@@ -311,7 +311,8 @@ def _variant_runs(cp, variant):
 @pytest.mark.parametrize("hd,H,KVH,n,start,big", [
     (64, 4, 2, 1, 0, False), (64, 4, 2, 7, 0, False), (128, 4, 1, 65, 0, False),
     (64, 2, 2, 70, 61, True), (128, 4, 2, 130, 3, True), (128, 7, 1, 200, 70, False),
-    (128, 2, 1, 140, 300, False), (128, 2, 1, 100, 700, False), (128, 4, 2, 640, 0, False)])
+    (128, 2, 1, 140, 300, False), (128, 2, 1, 100, 700, False), (128, 4, 2, 640, 0, False),
+    (128, 8, 8, 300, 20, False)])
 def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
     """Each prefill attention kernel (attention_prefill.cu mma.sync, attention_wgmma.cu Hopper)
     against the numpy oracle within the attention bound, f32 and q8_1 outputs (module docstring)."""
