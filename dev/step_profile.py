@@ -35,7 +35,7 @@ if npl == 1:                           # single stream: the decode graph of `ben
     step.chain(1, depth, 2)                      # kernels loaded, graph recorded
     with step.stream:
         step.set_state(1, depth)
-    cupy.cuda.runtime.deviceSynchronize()
+    step.stream.synchronize()
     cupy.cuda.profiler.start()
     with step.stream:
         for _ in range(steps):
