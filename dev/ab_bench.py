@@ -4,7 +4,7 @@ bench_pp after one warm-up, bench_tg), so every set runs in the same process, on
 weights, interleaved in time (clock and thermal drift fall on all sets alike) and the model
 loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compile).
 
-    python -m dev.ab_bench --model M[,M2,..] --sets ";AW_PROD=1;AW_PROD=1,AW_PERSIST=1" -p 3314,8192 \
+    python -m dev.ab_bench --model M[,M2,..] --sets ";AW_PROD=1;AW_PROD=1,AW_MHA_GROUP=4" -p 3314,8192 \
         [-n 128] [-r 3] [--rounds 2] [--json F]
 
 --sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.

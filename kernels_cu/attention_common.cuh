@@ -41,7 +41,7 @@
 #define AT_HGROUP 0
 #endif
 // (head, tile) of the b-th block in launch order of H heads x nt tiles (heads fastest; G > 0
-// dividing H: a group of G heads at a time). A persistent kernel's works go in the same order.
+// dividing H: a group of G heads at a time).
 __device__ __forceinline__ int2 at_work(int b, int H, int nt, int G = AT_HGROUP) {
     if (G <= 0 || H % G) return make_int2(b % H, b / H);
     const int grp = b / (G * nt), rem = b - grp * G * nt;

@@ -40,12 +40,6 @@
 // K / V tile, each as soon as its buffer's empty mbarrier allows (full counts its 128 threads),
 // with its registers lowered to AW_PROD_REGS (setmaxnreg) and the consumers' raised to
 // AW_CONS_REGS; the consumers only wait, compute and release.
-// AW_PERSIST=1 (A/B define, with AW_PROD; AW_SPLIT with AW_VST 2 to fit): grid = min(works, SMs)
-// blocks, block b running the (head, query tile) works b, b + grid, .. of the grid's launch order
-// (attention_common.cuh at_work). The rings and their mbarrier phases go on from work to work (the
-// body's tile j of a work is the block's tile jb + j) and Q has two sets, work wi in set wi % 2
-// with a full / empty mbarrier pair each, so the producer loads the next work's Q and first tiles
-// while the consumers finish and store this one.
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
 // (its V) and kt in use, the rest loading); S of tile kt and P V of tile kt - 1 are issued together;
 // wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait
@@ -63,7 +57,7 @@
 // Grid (H, ceil(n / AW_BQ)) (attention_common.cuh: at_head_tile), q tiles in reverse order
 // (longest first); AW_NTH threads; dynamic smem (2 * AW_STAGES * AW_BK + 64 * AW_NWG) * HD * 2
 // bytes (224 KB at HD = 128), then 2 * AW_STAGES 8-byte mbarriers (AW_SPLIT: AW_KST + AW_VST
-// tiles in place of the stages, two mbarriers each; AW_PERSIST: two Q sets, two mbarriers each).
+// tiles in place of the stages, two mbarriers each).
 #include "attention_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -111,14 +105,10 @@
 #ifndef AW_PROD
 #define AW_PROD 0                         // 1 (A/B define): one more warpgroup issues every K/V copy
 #endif
-#ifndef AW_PERSIST
-#define AW_PERSIST 0                      // 1 (A/B define; with AW_PROD): one block per SM runs work after work
-#endif
 #ifndef AW_PROD_REGS                      // AW_PROD: the producer's registers, the consumers' (x 128,
-#define AW_PROD_REGS (AW_PERSIST ? 56 : 24)   // x 256: <= 64 K); the persistent loops spill below 56
-#define AW_CONS_REGS (AW_PERSIST ? 224 : 240)
+#define AW_PROD_REGS 24                   // x 256: <= 64 K)
+#define AW_CONS_REGS 240
 #endif
-#define AW_NQB (AW_PERSIST ? 2 : 1)       // Q buffers (AW_PERSIST: the next work's Q lands during this one)
 #define AW_NTH (128 * (AW_NWG + AW_PROD))
 #define AW_NCP (AW_PROD ? 128 : AW_NTH)   // threads that copy K / V (a full mbarrier's count)
 #define AW_NCW (4 * AW_NWG)               // warps that read K / V (an empty mbarrier's count)
@@ -137,7 +127,7 @@ template <int HD, int OUT, int ROLE>
 __device__ __forceinline__ void attn_wgmma_body(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc,
         float* __restrict__ O, i8* __restrict__ Oq, float2* __restrict__ Ods,
-        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT, int h, int jb, int wi) {
+        int T, int H, int KVH, int row0, int nq, int pos0, int kvbase, int maxT, int h) {
     constexpr int CH = HD / 8;            // 16-byte chunks per row
     constexpr int KS = HD / 16;           // k16 steps of Q K^T
     constexpr int ROWB = HD * 2;
@@ -145,10 +135,9 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr int NP = AW_BK / 16;        // k16 steps of P V
     constexpr int TILE = AW_BK * ROWB;    // bytes of one K or V tile
     constexpr int QTILE = 64 * ROWB;      // bytes of one warpgroup's Q tile
-    // Tile j of this work in a ring of n buffers: the block's tile jb + j (the rings go on across a
-    // persistent block's works), in buffer slot(j, n), the use of parity(j, n) of its mbarriers.
-    auto slot = [&](int j, int n) { return (jb + j) % n; };
-    auto parity = [&](int j, int n) -> u32 { return ((jb + j) / n) & 1; };
+    // Tile j in a ring of n buffers: buffer slot(j, n), the use of parity(j, n) of its mbarriers.
+    auto slot = [](int j, int n) { return j % n; };
+    auto parity = [](int j, int n) -> u32 { return (j / n) & 1; };
     // Buffer of K tile j and of V tile j: the stage's halves, or the two rings (K first).
     auto kbuf = [&](int j) -> u32 { return AW_SPLIT ? slot(j, AW_KN) * TILE : slot(j, AW_KN) * 2 * TILE; };
     auto vbuf = [&](int j) -> u32 {
@@ -156,9 +145,8 @@ __device__ __forceinline__ void attn_wgmma_body(
     };
     constexpr u32 ATOM = AW_BK * 128;     // bytes of one 64-column atom column of a K / V tile
     constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
-    constexpr u32 QOFF = AW_NBUF * TILE;  // the swizzled Q tiles (QTILE per warpgroup; AW_NQB sets)
+    constexpr u32 QOFF = AW_NBUF * TILE;  // the swizzled Q tiles (QTILE per warpgroup)
     constexpr u32 QSET = AW_BQ * ROWB;    // bytes of one set (a block's queries)
-    static_assert(!AW_PERSIST || AW_PROD, "AW_PERSIST: the producer warpgroup loads the next work's Q");
     static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
     static_assert(AW_KAHEAD >= 1 && AW_VAHEAD >= 0, "at least one tile loading");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
@@ -171,7 +159,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_emu_smem = smem;
     const u32 sbase = 0;                  // descriptors: offsets from wg_emu_smem
 #endif
-    if (dyn_smem_bytes() < QOFF + AW_NQB * QSET + 8 * (AW_NBAR + 2 * AW_PERSIST * AW_NQB) || (sbase & 1023))
+    if (dyn_smem_bytes() < QOFF + QSET + 8 * AW_NBAR || (sbase & 1023))
         __trap();                                                 // swizzle: 1 KB aligned
     const saddr s0 = smem_u32(smem);
 
@@ -191,15 +179,10 @@ __device__ __forceinline__ void attn_wgmma_body(
     auto sw = [](u32 atom, int r, int ch) -> u32 { return (ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4); };
     // mbarriers of buffer b of a ring: full (the tile landed: every thread's copies) and empty
     // (every warp done with it); one ring's (the stages') serve K and V unless AW_SPLIT.
-    const u32 kfull0 = sbase + QOFF + AW_NQB * QSET, kempty0 = kfull0 + 8 * AW_KN;
+    const u32 kfull0 = sbase + QOFF + QSET, kempty0 = kfull0 + 8 * AW_KN;
     const u32 vfull0 = AW_SPLIT ? kempty0 + 8 * AW_KN : kfull0;
     const u32 vempty0 = AW_SPLIT ? vfull0 + 8 * AW_VN : kempty0;
-    // AW_PERSIST: Q set b's full (the producer's copies landed) and empty (every consumer warp's
-    // wgmmas of its work done) mbarriers; work wi uses set wi % 2.
-    const u32 qfull0 = kfull0 + 8 * AW_NBAR, qempty0 = qfull0 + 8 * AW_NQB;
-    const int qs = AW_PERSIST ? (wi & 1) : 0;
-    if (wi == 0) {                                    // a block's first work (block-uniform)
-      if (tid == 0) {
+    if (tid == 0) {
         for (int b = 0; b < AW_KN; ++b) {
             mbar_init(kfull0 + 8 * b, AW_NCP);
             mbar_init(kempty0 + 8 * b, AW_NCW);
@@ -208,24 +191,15 @@ __device__ __forceinline__ void attn_wgmma_body(
             mbar_init(vfull0 + 8 * b, AW_NCP);
             mbar_init(vempty0 + 8 * b, AW_NCW);
         }
-        for (int b = 0; AW_PERSIST && b < AW_NQB; ++b) {
-            mbar_init(qfull0 + 8 * b, AW_NCP);
-            mbar_init(qempty0 + 8 * b, AW_NCW);
-        }
-      }
-      __syncthreads();                                // initialized before any arrival
     }
-    // The block's Q rows (warpgroup w's 64 at QOFF + w QTILE of the set), copied by threads t0,
-    // t0 + nt, ..
-    auto load_q = [&](int t0, int nt) {
-        for (int p = t0; p < AW_BQ * CH; p += nt) {
-            const int row = p / CH, ch = p % CH;
-            const bool ok = row < nq;
-            cp_async16(s0 + QOFF + qs * QSET + (row >> 6) * QTILE + sw(QATOM, row & 63, ch),
-                       Qh + (size_t)(ok ? row : 0) * HD + ch * 8, ok ? 16 : 0);
-        }
-    };
-    if (!AW_PERSIST) load_q(tid, AW_NTH);
+    __syncthreads();                                  // initialized before any arrival
+    // The block's Q rows (warpgroup w's 64 at QOFF + w QTILE), copied by every thread.
+    for (int p = tid; p < AW_BQ * CH; p += AW_NTH) {
+        const int row = p / CH, ch = p % CH;
+        const bool ok = row < nq;
+        cp_async16(s0 + QOFF + (row >> 6) * QTILE + sw(QATOM, row & 63, ch), Qh + (size_t)(ok ? row : 0) * HD + ch * 8,
+                   ok ? 16 : 0);
+    }
     // K / V tiles: at_copy_kv (chunk tid % CH of keys tid / CH + KSTEP i); the 8-chunk piece of a
     // 128-byte atom row lands permuted within that row (conflict-free).
     constexpr int KSTEP = AW_NCP / CH;
@@ -244,7 +218,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     // Tile j's copies in a ring of n buffers: once every warp released the buffer's previous tile,
     // this thread's copies, then its arrival on the buffer's full mbarrier when they have landed.
     auto claim = [&](u32 empty0, int n, int j) {
-        if (jb + j >= n) mbar_wait(empty0 + 8 * slot(j, n), parity(j, n) ^ 1);   // the buffer's previous use
+        if (j >= n) mbar_wait(empty0 + 8 * slot(j, n), parity(j, n) ^ 1);   // the buffer's previous use
     };
     auto produce_k = [&](int j) {
         if (j >= nkt) return;
@@ -269,30 +243,18 @@ __device__ __forceinline__ void attn_wgmma_body(
     for (int j = 0; j < AW_KAHEAD && !AW_PROD; ++j) produce_k(j);
 #pragma unroll
     for (int j = 0; j < AW_VAHEAD && !AW_PROD; ++j) produce_v(j);
-    if (!AW_PERSIST) {
-        cp_async_commit();
-        cp_async_wait<0>();                           // Q (and the first tiles) landed
-        fence_proxy_async();
-        __syncthreads();
-    }
+    cp_async_commit();
+    cp_async_wait<0>();                               // Q (and the first tiles) landed
+    fence_proxy_async();
+    __syncthreads();
     // FA3's warp specialisation: the producer copies every tile, each as soon as its buffer is
-    // free (AW_PERSIST: first the work's Q, once the work two before released its set); the entry
-    // waits for its last copies.
+    // free; the entry waits for its last copies.
     if constexpr (ROLE == AW_PRODUCER) {
-        if (AW_PERSIST) {
-            if (wi >= 2) mbar_wait(qempty0 + 8 * qs, ((wi >> 1) - 1) & 1);
-            load_q(ctid, AW_NCP);
-            cp_async_mbar_arrive(qfull0 + 8 * qs);
-        }
         for (int j = 0; j < nkt; ++j) {
             produce_k(j);
             produce_v(j);
         }
         return;
-    }
-    if (AW_PERSIST) {                                 // this work's Q landed
-        mbar_wait(qfull0 + 8 * qs, (wi >> 1) & 1);
-        fence_proxy_async();
     }
 
     float o[HD / 8][4], mrow[2], lrow[2];
@@ -302,7 +264,7 @@ __device__ __forceinline__ void attn_wgmma_body(
 
     // Descriptors: encoded once (the warpgroup's Q tile, the tile buffers' base); a k16 step or a
     // buffer is then one add to the start field (wg_desc_add), not a mask-shift-or per wgmma.
-    const u64 qdesc = wg_desc_sw128(sbase + QOFF + qs * QSET + wg * QTILE, 16, 1024);
+    const u64 qdesc = wg_desc_sw128(sbase + QOFF + wg * QTILE, 16, 1024);
     const u64 kdesc0 = wg_desc_sw128(sbase, 16, 1024);
     const u64 vdesc0 = wg_desc_sw128(sbase, AW_V_LBO, AW_V_SBO);
     // S = Q K^T of tile kt into s (issued and committed; not waited for).
@@ -343,9 +305,6 @@ __device__ __forceinline__ void attn_wgmma_body(
     };
     auto release_v = [&](int kt) {
         if (lane == 0) mbar_arrive(vempty0 + 8 * slot(kt, AW_VN));
-    };
-    auto release_q = [&]() {                          // AW_PERSIST: the warp's wgmmas of the work done
-        if (AW_PERSIST && lane == 0) mbar_arrive(qempty0 + 8 * qs);
     };
     // AW_PP (FA3's ping-pong): the warpgroups issue their wgmmas of a tile in turn (0, 1, .., 0,
     // ..), so one's softmax runs under the others' MMAs instead of all at once. Turn t of
@@ -395,7 +354,6 @@ __device__ __forceinline__ void attn_wgmma_body(
         pass_tiles(0);
         turn_begin();                                 // turn nkt
         turn_end(true);
-        release_q();
         cp_async_commit();
         cp_async_wait<0>();                           // this thread's last copies landed
         return;
@@ -438,7 +396,6 @@ __device__ __forceinline__ void attn_wgmma_body(
     wg_wait<0>();
     wg_keep(reinterpret_cast<float(&)[HD / 2]>(o));
     release_v(wg_nkt - 1);
-    release_q();
     pass_tiles(wg_nkt);
     cp_async_commit();
     cp_async_wait<0>();                               // this thread's last copies landed
@@ -447,9 +404,8 @@ __device__ __forceinline__ void attn_wgmma_body(
     at_store<HD, OUT>(o, lrow, warp * 16, g, tig, row0, nq, h, H, T, O, Oq, Ods);
 }
 
-// One block per (head, query tile), or (AW_PERSIST) one per SM taking works b, b + grid, .. in
-// the launch order of that grid (at_work), its rings and Q sets going on from work to work; under
-// AW_PROD the producer warpgroup and the consumers each run the body in their role.
+// One block per (head, query tile) (at_head_tile, grouped by AW_MHA_GROUP); under AW_PROD the
+// producer warpgroup and the consumers each run the body in their role.
 template <int HD, int OUT>
 __device__ __forceinline__ void attn_wgmma_entry(
         const u16* __restrict__ Q, const u16* __restrict__ Kc, const u16* __restrict__ Vc, float* __restrict__ O,
@@ -458,26 +414,11 @@ __device__ __forceinline__ void attn_wgmma_entry(
     pdl_entry();
     const int start = start0 + (startp ? *startp : 0);
     const int G = AT_HGROUP > 0 ? AT_HGROUP : (H == KVH ? AW_MHA_GROUP : 0);   // heads per group (at_work)
-    // This block's works in a role: its (head, query tile), or (AW_PERSIST) b, b + grid, .. with
-    // jb the block's key tiles and wi its works before each.
-    auto works = [&](auto role) {
-        constexpr int R = decltype(role)::value;
-        if constexpr (!AW_PERSIST) {
-            const int2 ht = at_head_tile(G);
-            const int q0 = (AT_NTILES - 1 - ht.y) * AW_BQ;
-            attn_wgmma_body<HD, OUT, R>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0), start + q0, 0,
-                                        maxT, ht.x, 0, 0);
-        } else {
-            const int nt = (n + AW_BQ - 1) / AW_BQ;
-            int jb = 0, wi = 0;
-            for (int b = (int)blockIdx.x; b < H * nt; b += (int)gridDim.x, ++wi) {
-                const int2 ht = at_work(b, H, nt, G);
-                const int q0 = (nt - 1 - ht.y) * AW_BQ, nq = min(AW_BQ, n - q0);
-                attn_wgmma_body<HD, OUT, R>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, nq, start + q0, 0, maxT, ht.x, jb,
-                                            wi);
-                jb += (start + q0 + nq - 1) / AW_BK + 1;
-            }
-        }
+    const int2 ht = at_head_tile(G);
+    const int q0 = (AT_NTILES - 1 - ht.y) * AW_BQ;
+    auto works = [&](auto role) {                     // this block's (head, query tile) in a role
+        attn_wgmma_body<HD, OUT, decltype(role)::value>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AW_BQ, n - q0),
+                                                        start + q0, 0, maxT, ht.x);
     };
     if constexpr (!AW_PROD) {
         works(AwRole<AW_ALL>());

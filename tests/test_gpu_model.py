@@ -356,16 +356,16 @@ def test_attention_prefill(cp, rng, hd, H, KVH, n, start, big, variant):
 def test_attention_define_sets_in_one_process(cp, rng, monkeypatch):
     """GGUF_PREFILL_KERNEL_DEFINES changed between launches in one process (dev/attn_bench and
     dev/ab_bench --defines / --sets): each set gets its own build of attention_wgmma.cu, and the
-    forms that only move work between warpgroups (the producer, the persistent loop over several
-    works a block) give the default's bits."""
+    forms that only move work between warpgroups or blocks (the producer warpgroup, the heads
+    sent out in groups) give the default's bits."""
     from engine.gpu import kernels, ops, registry
 
     _variant_runs(cp, "wgmma")
-    H, KVH, hd, n, start = 4, 2, 128, 300, 40
+    H, KVH, hd, n, start = 4, 4, 128, 300, 40
     q, k, v = _attention_inputs(rng, H, KVH, hd, n, start, start + n)
     qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     outs, builds = [], []
-    for defines in ("", "AW_PROD=1", "AW_PROD=1,AW_SPLIT=1,AW_VST=2,AW_PERSIST=1,AW_PGRID=2", ""):
+    for defines in ("", "AW_PROD=1", "AW_PROD=1,AW_MHA_GROUP=2", ""):
         monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", defines)
         out = cp.full((n, H * hd), np.nan, dtype=cp.float32)
         ops.attention.attention_prefill(qd, kd, vd, start, out_f32=out, variant="wgmma")

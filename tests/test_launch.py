@@ -77,8 +77,7 @@ def test_file_defines(monkeypatch):
 def test_define_value(monkeypatch):
     """A launcher's reading of a define: its integer, the default when absent, a named error."""
     from engine.gpu import kernels
-    from engine.gpu.ops.attention import (attention_smem_bytes, wgmma_block_threads, wgmma_persistent,
-                                          wgmma_warpgroups)
+    from engine.gpu.ops.attention import attention_smem_bytes, wgmma_block_threads, wgmma_warpgroups
     from engine.gpu.ops.mmvq import mmvq_warps
 
     monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
@@ -94,8 +93,6 @@ def test_define_value(monkeypatch):
     assert attention_smem_bytes(128, "wgmma") == 224 * 1024 + 12 * 8
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_PROD=1")      # a producer warpgroup more
     assert wgmma_block_threads() == 384 and attention_smem_bytes(128, "wgmma") == 224 * 1024 + 3 * 16
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_PROD=1,AW_SPLIT=1,AW_VST=2,AW_PERSIST=1")
-    assert wgmma_persistent() and attention_smem_bytes(128, "wgmma") == 224 * 1024 + (10 + 4) * 8   # 2 Q sets
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_NWG=3")
     with pytest.raises(ValueError, match="240 KB of shared memory"):
         attention_smem_bytes(128, "wgmma")

@@ -59,17 +59,10 @@ def wgmma_block_threads() -> int:
     return 128 * (wgmma_warpgroups() + kernels.define_value("AW_PROD", 0))
 
 
-def wgmma_persistent() -> bool:
-    """attention_wgmma.cu as one block per SM looping over the (head, query tile) works: the
-    AW_PERSIST A/B define (with AW_PROD)."""
-    return bool(kernels.define_value("AW_PERSIST", 0))
-
-
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
     """Dynamic shared memory of a prefill attention block: fa2 Q + 2 x (K, V) tiles of 64 rows;
     wgmma AW_STAGES x (K, V) tiles of AW_BK keys (AW_SPLIT: AW_KST K and AW_VST V tiles), a 64-row
-    Q tile per warpgroup (two sets under AW_PERSIST), then two 8-byte mbarriers per stage (AW_SPLIT:
-    per tile buffer; AW_PERSIST: and per Q set)."""
+    Q tile per warpgroup, then two 8-byte mbarriers per stage (AW_SPLIT: per tile buffer)."""
     if variant == "fa2":
         return 5 * 64 * head_dim * 2
     split = kernels.define_value("AW_SPLIT", 0)     # K and V rings of their own (an A/B define)
@@ -77,11 +70,8 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
         tiles = kernels.define_value("AW_KST", ATT_WGMMA_KST) + kernels.define_value("AW_VST", ATT_WGMMA_VST)
     else:
         tiles = 2 * kernels.define_value("AW_STAGES", ATT_WGMMA_STAGES)
-    q_sets = 2 if wgmma_persistent() else 1         # the next work's Q beside this one's
-    rows = tiles * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups() * q_sets
+    rows = tiles * kernels.define_value("AW_BK", ATT_WGMMA_BK) + 64 * wgmma_warpgroups()
     mbarriers = 2 * tiles if split else tiles       # full + empty per buffer, or per K+V stage
-    if q_sets == 2:
-        mbarriers += 4                              # full + empty per Q set (AW_PERSIST)
     nbytes = rows * head_dim * 2 + 8 * mbarriers
     if nbytes > SMEM_PER_BLOCK_MAX:
         raise ValueError(f"attention_wgmma.cu at head size {head_dim} with GGUF_PREFILL_KERNEL_DEFINES="
@@ -92,7 +82,7 @@ def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
 
 def prefill_grid(n_tiles: int, heads: int) -> tuple[int, int]:
     """Grid of a prefill / varlen attention launch: (heads, tiles), so blocks go out longest
-    first over all heads (attention_common.cuh, AT_HEAD / AT_TILE)."""
+    first over all heads (attention_common.cuh, at_head_tile)."""
     return heads, n_tiles
 
 
@@ -165,11 +155,7 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     else:
         k = kernels.get_kernel("attention_prefill.cu", registry.attn_prefill_name(hd, out), dynamic_smem=smem)
         bq, nth = ATT_BQ, ATT_THREADS
-    grid = prefill_grid((n + bq - 1) // bq, H)
-    if variant == "wgmma" and wgmma_persistent():
-        blocks = kernels.define_value("AW_PGRID", 0) or sm_count()    # AW_PGRID: fewer (tests)
-        grid = (min(grid[0] * grid[1], blocks), 1)
-    k(grid, (nth,),
+    k(prefill_grid((n + bq - 1) // bq, H), (nth,),
       (qh, kc, vc, o, oq, ods, np.int32(n), np.int32(H), np.int32(KVH), ptr(start_dev), np.int32(start),
        np.int32(maxT)), shared_mem=smem)
 
