@@ -36,10 +36,11 @@
 // AW_SPLIT=1 (A/B define): K and V in rings of their own (AW_KST, AW_VST buffers, each with its
 // full / empty pair): a K tile is released once S has landed, so the same shared memory holds
 // tiles further ahead (K kt + AW_KST - 1, V kt + AW_VST - 2).
-// AW_PROD=1 (A/B define): FA3's warp specialisation. One more warpgroup (the last) copies every
-// K / V tile, each as soon as its buffer's empty mbarrier allows (full counts its 128 threads),
-// with its registers lowered to AW_PROD_REGS (setmaxnreg) and the consumers' raised to
-// AW_CONS_REGS; the consumers only wait, compute and release.
+// AW_PROD=1 (production; 0: an A/B define): FA3's warp specialisation. One more warpgroup (the
+// last) copies every K / V tile, each as soon as its buffer's empty mbarrier allows (full counts
+// its 128 threads), with its registers lowered to AW_PROD_REGS (setmaxnreg) and the consumers'
+// raised to AW_CONS_REGS; the consumers only wait, compute and release (H100: 1.10x at 4096@4096
+// and 1.05x at 3314@0 with 32 / 32 heads, 1.04x / 0.99x with 28 / 4; docs/perf-log.md, Session 22).
 // Loop (FA3's intra-warpgroup overlap): at the top of key tile kt, wait for tile kt (tiles kt - 1
 // (its V) and kt in use, the rest loading); S of tile kt and P V of tile kt - 1 are issued together;
 // wait for S; mask (tiles crossing a warp's diagonal) and softmax (corr kept) while P V runs; wait
@@ -103,12 +104,14 @@
 #define AW_MHA_GROUP 0                    // head (H == KVH), the blocks go out G heads at a time
 #endif                                    // (attention_common.cuh at_work; AT_HGROUP overrides it)
 #ifndef AW_PROD
-#define AW_PROD 0                         // 1 (A/B define): one more warpgroup issues every K/V copy
+#define AW_PROD 1                         // one more warpgroup issues every K/V copy (0: an A/B define)
 #endif
 #ifndef AW_PROD_REGS                      // AW_PROD: the producer's registers, the consumers' (x 128,
 #define AW_PROD_REGS 24                   // x 256: <= 64 K)
 #define AW_CONS_REGS 240
 #endif
+static_assert(!AW_PROD || 128 * (AW_NWG * AW_CONS_REGS + AW_PROD_REGS) <= 65536,
+              "AW_PROD: the warpgroups' setmaxnreg counts exceed the register file (AW_NWG 3 needs AW_PROD=0)");
 #define AW_NTH (128 * (AW_NWG + AW_PROD))
 #define AW_NCP (AW_PROD ? 128 : AW_NTH)   // threads that copy K / V (a full mbarrier's count)
 #define AW_NCW (4 * AW_NWG)               // warps that read K / V (an empty mbarrier's count)

@@ -82,17 +82,17 @@ def test_define_value(monkeypatch):
 
     monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES", raising=False)
     assert kernels.define_value("AW_NWG", 2) == 2 == wgmma_warpgroups()
-    assert wgmma_block_threads() == 256
+    assert wgmma_block_threads() == 384                                    # 2 consumer warpgroups, a producer
     assert attention_smem_bytes(128, "wgmma") == 224 * 1024 + 3 * 16      # tiles, then mbarriers
     assert mmvq_warps() == 4
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3,MMVQ_NW=8 AW_BK=64,AW_STAGES=4")
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "MMVQ_UNROLL=4 AW_NWG=3,MMVQ_NW=8 AW_BK=64,AW_STAGES=4 AW_PROD=0")
     assert wgmma_warpgroups() == 3 and attention_smem_bytes(128, "wgmma") == 176 * 1024 + 4 * 16
     assert wgmma_block_threads() == 384
     assert mmvq_warps() == 8
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_SPLIT=1")     # 3 K + 3 V tiles, 12 mbarriers
     assert attention_smem_bytes(128, "wgmma") == 224 * 1024 + 12 * 8
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_PROD=1")      # a producer warpgroup more
-    assert wgmma_block_threads() == 384 and attention_smem_bytes(128, "wgmma") == 224 * 1024 + 3 * 16
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_PROD=0")      # no producer warpgroup
+    assert wgmma_block_threads() == 256 and attention_smem_bytes(128, "wgmma") == 224 * 1024 + 3 * 16
     monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "AW_NWG=3")
     with pytest.raises(ValueError, match="240 KB of shared memory"):
         attention_smem_bytes(128, "wgmma")

@@ -29,9 +29,9 @@ from engine.gpu.ops._util import contig, null, ptr, sm_count
 ATT_BQ = 64                 # queries per attention block (attention_prefill.cu AT_BQ)
 ATT_THREADS = 128
 ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
-# attention_wgmma.cu's block shape in production (its AW_NWG, AW_BK, AW_STAGES defaults); an A/B
-# run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
-ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES = 2, 128, 3
+# attention_wgmma.cu's block shape in production (its AW_NWG, AW_BK, AW_STAGES, AW_PROD defaults);
+# an A/B run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
+ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES, ATT_WGMMA_PROD = 2, 128, 3, 1
 ATT_WGMMA_KST, ATT_WGMMA_VST = 3, 3       # its K / V ring sizes under the AW_SPLIT A/B define
 SMEM_PER_BLOCK_MAX = 227 * 1024    # dynamic shared memory of one block on sm_90
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
@@ -55,8 +55,8 @@ def wgmma_warpgroups() -> int:
 
 def wgmma_block_threads() -> int:
     """Threads of an attention_wgmma.cu block: 128 per warpgroup of queries, and 128 more for the
-    producer warpgroup under the AW_PROD A/B define."""
-    return 128 * (wgmma_warpgroups() + kernels.define_value("AW_PROD", 0))
+    producer warpgroup (AW_PROD; 0 under that A/B define)."""
+    return 128 * (wgmma_warpgroups() + kernels.define_value("AW_PROD", ATT_WGMMA_PROD))
 
 
 def attention_smem_bytes(head_dim: int, variant: str = "fa2") -> int:
