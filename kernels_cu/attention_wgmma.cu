@@ -100,9 +100,9 @@
 #define AW_NWG 2                          // warpgroups per block, 64 queries each (3: an A/B define)
 #endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
-#ifndef AW_MHA_GROUP                      // G > 0 (A/B define): where every query head has its own KV
-#define AW_MHA_GROUP 0                    // head (H == KVH), the blocks go out G heads at a time
-#endif                                    // (attention_common.cuh at_work; AT_HGROUP overrides it)
+#ifndef AW_MHA_GROUP                      // where every query head has its own KV head (H == KVH),
+#define AW_MHA_GROUP 4                    // the blocks go out G heads at a time (at_work; 0: off, an
+#endif                                    // A/B define; AT_HGROUP overrides it for every layout)
 #ifndef AW_PROD
 #define AW_PROD 1                         // one more warpgroup issues every K/V copy (0: an A/B define)
 #endif
