@@ -149,7 +149,7 @@ __device__ __forceinline__ void attn_wgmma_body(
     constexpr u32 ATOM = AW_BK * 128;     // bytes of one 64-column atom column of a K / V tile
     constexpr u32 QATOM = 64 * 128;       // the same of a Q tile
     constexpr u32 QOFF = AW_NBUF * TILE;  // the swizzled Q tiles (QTILE per warpgroup)
-    constexpr u32 QSET = AW_BQ * ROWB;    // bytes of one set (a block's queries)
+    constexpr u32 QSET = AW_BQ * ROWB;    // bytes of the block's Q tiles
     static_assert(AW_BK == 64 || AW_BK == 128, "64- or 128-key tiles (the S wgmma is m64n{AW_BK})");
     static_assert(AW_KAHEAD >= 1 && AW_VAHEAD >= 0, "at least one tile loading");
     static_assert(HD == 64 || HD == 128, "head size: the P V wgmma is m64n{HD}");
