@@ -311,9 +311,10 @@ step_splits() {
   return "${PIPESTATUS[0]}"
 }
 
-# Kernel time of a batched decode step (PROFILE_NPL slots at depth PROFILE_DEPTH (256), PROFILE_STEPS
-# graph replays (1) after two warm-up steps; PROFILE_NPL=1: the single-stream decode graph) from Nsight Compute: each kernel node's duration (no event overhead; kernels
-# serialized, caches not flushed), summed per kernel family by scripts/kern_summary.py.
+# Kernel time of a batched decode step (PROFILE_NPL slots at depth PROFILE_DEPTH (256),
+# PROFILE_STEPS graph replays (1) after two warm-up steps; PROFILE_NPL=1: the single-stream decode
+# graph) from Nsight Compute: each kernel node's duration (no event overhead; kernels serialized,
+# caches not flushed), summed per kernel family by scripts/kern_summary.py.
 step_profile() {
   local m=/tmp/llama2-7b.gguf ncu npl
   synth_wait llama2-7b || return 1
