@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 
-ENV = "GGUF_PREFILL_KERNEL_DEFINES"
+from engine.gpu.kernels import DEFINES_ENV as ENV, parse_defines
 
 
 def summarize(samples: dict[str, dict[str, list[float]]], sets: list[str], tests: list[str],
@@ -58,8 +58,6 @@ def kept_sets(sets: list[str], groups: list[tuple[bool, str]]) -> tuple[list[str
     a set is dropped when a failed group ran every define of it and no passed group did (so a form
     whose tests hung or failed is not timed, where a hang would take every set's rows with it).
     The first set (the baseline) is always kept."""
-    from engine.gpu.kernels import parse_defines
-
     kept, dropped = [], []
     for i, s in enumerate(sets):
         mine = set(parse_defines(s))
@@ -94,8 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    sets = [s.strip() for s in a.sets.split(";")]
     if a.keep_tested:
-        kept, dropped = kept_sets([s.strip() for s in a.sets.split(";")], read_groups(a.keep_tested))
+        kept, dropped = kept_sets(sets, read_groups(a.keep_tested))
         for s in dropped:
             print(f"dropped (its GPU tests failed): {s}", file=sys.stderr)
         print(";".join(kept))
@@ -103,13 +102,11 @@ def main(argv=None) -> int:
     if not a.model:
         ap.error("--model is required")
 
-    from engine.gpu import kernels
     from engine.loader import load_model
     from engine.tools.bench import bench_pp, bench_tg, parse_int_list
 
-    sets = [s.strip() for s in a.sets.split(";")]
     for s in sets:                                     # malformed entries fail before the load
-        kernels.parse_defines(s)
+        parse_defines(s)
     prompts = [p for p in parse_int_list(a.p, "-p") if p > 0]
     gens = [n for n in parse_int_list(a.n, "-n") if n > 0]
     results = {}

@@ -38,10 +38,11 @@ def main(argv=None) -> int:
 
     import cupy as cp
 
+    from engine.gpu import kernels
     from engine.gpu.ops import attention as att
 
     variants = [v for v in a.variants.split(",") if v] or list(att.PREFILL_VARIANTS)
-    env = "GGUF_PREFILL_KERNEL_DEFINES"
+    env = kernels.DEFINES_ENV
     dsets = [d.strip() for d in a.defines.split(";")] if a.defines is not None else [os.environ.get(env, "")]
     runs = [(d, v) for d in dsets for v in variants]
     rng = np.random.default_rng(5)

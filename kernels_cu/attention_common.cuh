@@ -40,18 +40,14 @@
 #ifndef AT_HGROUP
 #define AT_HGROUP 0
 #endif
-// (head, tile) of the b-th block in launch order of H heads x nt tiles (heads fastest; G > 0
-// dividing H: a group of G heads at a time).
-__device__ __forceinline__ int2 at_work(int b, int H, int nt, int G = AT_HGROUP) {
-    if (G <= 0 || H % G) return make_int2(b % H, b / H);
-    const int grp = b / (G * nt), rem = b - grp * G * nt;
-    return make_int2(grp * G + rem % G, rem / G);
-}
-// This block's (head, tile) of the (H, tiles) grid in the order at_work gives for group size G.
+// This block's (head, tile) of the (H, tiles) grid: as launched (heads fastest), or with G > 0
+// dividing H the pair of its place in launch order when a group of G heads goes out at a time.
 __device__ __forceinline__ int2 at_head_tile(int G = AT_HGROUP) {
     const int H = (int)gridDim.x;
     if (G <= 0 || H % G) return make_int2((int)blockIdx.x, (int)blockIdx.y);
-    return at_work((int)blockIdx.x + H * (int)blockIdx.y, H, (int)gridDim.y, G);
+    const int nt = (int)gridDim.y, b = (int)blockIdx.x + H * (int)blockIdx.y;
+    const int grp = b / (G * nt), rem = b - grp * G * nt;
+    return make_int2(grp * G + rem % G, rem / G);
 }
 #define AT_HEAD (at_head_tile().x)
 #define AT_TILE (at_head_tile().y)

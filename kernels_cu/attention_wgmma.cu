@@ -101,7 +101,7 @@
 #endif
 #define AW_BQ (64 * AW_NWG)               // queries per block
 #ifndef AW_MHA_GROUP                      // where every query head has its own KV head (H == KVH),
-#define AW_MHA_GROUP 4                    // the blocks go out G heads at a time (at_work; 0: off, an
+#define AW_MHA_GROUP 4                    // the blocks go out G heads at a time (at_head_tile; 0: off, an
 #endif                                    // A/B define; AT_HGROUP overrides it for every layout)
 #ifndef AW_PROD
 #define AW_PROD 1                         // one more warpgroup issues every K/V copy (0: an A/B define)
@@ -416,7 +416,7 @@ __device__ __forceinline__ void attn_wgmma_entry(
         int start0, int maxT) {
     pdl_entry();
     const int start = start0 + (startp ? *startp : 0);
-    const int G = AT_HGROUP > 0 ? AT_HGROUP : (H == KVH ? AW_MHA_GROUP : 0);   // heads per group (at_work)
+    const int G = AT_HGROUP > 0 ? AT_HGROUP : (H == KVH ? AW_MHA_GROUP : 0);   // heads per group (at_head_tile)
     const int2 ht = at_head_tile(G);
     const int q0 = (AT_NTILES - 1 - ht.y) * AW_BQ;
     auto works = [&](auto role) {                     // this block's (head, query tile) in a role

@@ -118,12 +118,15 @@ def _inline(path: Path, out: list[str], seen: set[str]) -> None:
 
 # ----------------------------------------------------------------------------- run time
 
+DEFINES_ENV = "GGUF_PREFILL_KERNEL_DEFINES"   # the A/B define sets' variable (dev/ab_bench, dev/attn_bench)
+
+
 def kernel_defines() -> tuple[str, ...]:
     """GGUF_PREFILL_KERNEL_DEFINES="NAME=VALUE ..." (spaces or commas between entries: a comma
     list survives gpu_check.sh's `export`) -> NVRTC -D options: compile-time variants of a kernel
     measured side by side in one device call (gpu_check.sh step ab); unset in production. A
     malformed entry raises ValueError naming it."""
-    return _parse_defines(os.environ.get("GGUF_PREFILL_KERNEL_DEFINES", ""))
+    return _parse_defines(os.environ.get(DEFINES_ENV, ""))
 
 
 def file_defines(fname: str) -> tuple[str, ...]:

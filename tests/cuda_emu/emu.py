@@ -142,8 +142,7 @@ def get_elapsed_time(e0, e1):
 class Device:
     def __init__(self, i=0):
         self.id = i
-        # GGP_EMU_SMS: fewer SMs, so that grids sized by the SM count (a persistent kernel's) loop
-        self.attributes = {"MultiProcessorCount": int(os.environ.get("GGP_EMU_SMS", "132"))}
+        self.attributes = {"MultiProcessorCount": 132}
 
     def synchronize(self):
         pass
