@@ -4,7 +4,6 @@
 // q8_1_warp: the q8_1 block of 32 values held one per lane of a warp (engine.quants.quantize_q8_1):
 //   d = amax / 127, q_i = amax == 0 ? 0 : roundf(x_i / d), s = d * sum(q) (integer sum, exact).
 // mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu).
-// l2_prefetch_share: an MMVQ block's share of the next GEMV's weights into L2 (DEC_L2PF).
 #pragma once
 
 #ifndef MMVQ_NW
@@ -24,37 +23,6 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     return v;
 #else
     return *reinterpret_cast<const uint4*>(p);
-#endif
-}
-
-#ifndef DEC_L2PF
-#define DEC_L2PF 0        // MiB of the next GEMV's weights an MMVQ launch asks L2 for (0: none; A/B)
-#endif
-
-// The tail of an MMVQ block: its share of the next GEMV's weights into L2 (the first DEC_L2PF
-// MiB of ranges p0 [n0 bytes] and p1 [n1], together; block b of G takes bytes [b S / G, (b + 1)
-// S / G) of the S it asks for, rounded to 16, in one cp.async.bulk.prefetch by thread 0). The
-// blocks that finish first start the next matrix's stream while the last ones still read theirs,
-// and it runs on through the small kernels in between (norm, RoPE, attention), where the DRAM
-// would idle. A hint: no result depends on it (the weights are never written during a step),
-// and nothing waits for it. The bulk prefetch wants 16-byte aligned addresses and sizes: a
-// misaligned range is skipped.
-__device__ __forceinline__ void l2_prefetch_share(const u8* p0, long long n0, const u8* p1, long long n1) {
-#if DEC_L2PF > 0 && !defined(GGP_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0) return;
-    constexpr long long cap = (long long)DEC_L2PF << 20;
-    n0 = ((size_t)p0 & 15) ? 0 : min(n0, cap) & ~15LL;
-    n1 = ((size_t)p1 & 15) ? 0 : min(n1, cap - n0) & ~15LL;
-    const long long total = n0 + n1, g = gridDim.x;
-    const long long a = (total * blockIdx.x / g) & ~15LL;
-    const long long b = blockIdx.x + 1 == g ? total : (total * (blockIdx.x + 1) / g) & ~15LL;
-    if (a < n0 && a < b)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p0 + a), "r"((u32)(min(b, n0) - a)) : "memory");
-    if (b > n0 && max(a, n0) < b)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p1 + (max(a, n0) - n0)), "r"((u32)(b - max(a, n0)))
-                     : "memory");
-#else
-    (void)p0; (void)n0; (void)p1; (void)n1;
 #endif
 }
 

@@ -17,13 +17,11 @@
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,          \
         float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int n0, int n1,   \
         int n2, int nb1, int nb2, const i8* __restrict__ xq, const float2* __restrict__ xds,      \
-        int K, int b6, const u8* __restrict__ pf0, long long pf0_bytes, const u8* __restrict__ pf1, \
-        long long pf1_bytes) {                                                                    \
+        int K, int b6) {                                                                          \
         if ((int)blockIdx.x < b6)                                                                 \
             mmvq_q4_k_body<1, 0>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K);       \
         else                                                                                      \
             mmvq_q6_k_body<1, 0, PADDED>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K); \
-        l2_prefetch_share(pf0, pf0_bytes, pf1, pf1_bytes);                                        \
     }
 
 MMVQ_MIXED_INSTANCE(pad, true)

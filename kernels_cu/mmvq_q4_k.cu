@@ -25,9 +25,7 @@
 //   MODE 2 swiglu: y_0[n] = silu(dot_gate) * dot_up with gate = w0, up = w1 (same rows);
 //                  silu(g) = g / (1 + exp(-g)) as in engine/reference.py.
 // R = 1 row per warp in production (the R loops stay: the rows-per-warp and load-batch arms
-// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu}. The last arguments
-// (pf0, pf0_bytes, pf1, pf1_bytes; every MMVQ kernel) name the next GEMV's weights, which the
-// blocks ask L2 for as they finish (decode_common.cuh l2_prefetch_share, DEC_L2PF).
+// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -133,10 +131,8 @@ __device__ __forceinline__ void mmvq_q4_k_body(
                      const u8* __restrict__ w2, float* __restrict__ y0,                       \
                      float* __restrict__ y1, float* __restrict__ y2, int n0, int n1,          \
                      int n2, int nb1, int nb2, const i8* __restrict__ xq,                     \
-                     const float2* __restrict__ xds, int K, const u8* __restrict__ pf0,       \
-                     long long pf0_bytes, const u8* __restrict__ pf1, long long pf1_bytes) {  \
+                     const float2* __restrict__ xds, int K) {                                 \
         mmvq_q4_k_body<1, MODE>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K);    \
-        l2_prefetch_share(pf0, pf0_bytes, pf1, pf1_bytes);                                    \
     }
 
 #ifndef MMVQ_BODIES_ONLY                 // mmvq_mixed.cu takes the body alone

@@ -141,10 +141,8 @@ __device__ __forceinline__ void mmvq_q6_k_body(
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,        \
         float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int n0, int n1, \
         int n2, int nb1, int nb2, const i8* __restrict__ xq, const float2* __restrict__ xds,    \
-        int K, const u8* __restrict__ pf0, long long pf0_bytes, const u8* __restrict__ pf1,     \
-        long long pf1_bytes) {                                                                  \
+        int K) {                                                                                \
         mmvq_q6_k_body<1, MODE, PADDED>(w0, w1, w2, y0, y1, y2, n0, n1, n2, nb1, nb2, xq, xds, K); \
-        l2_prefetch_share(pf0, pf0_bytes, pf1, pf1_bytes);                                      \
     }
 
 #define MMVQ_Q6K_LAYOUT(LAYOUT, PADDED)                 \

@@ -17,10 +17,6 @@ A decode step (one token at position p = the cache length before it) is:
     logits = Wout q8_1(rmsnorm(x) * output_norm)       rmsnorm_q8 + mmvq (store)
     token = argmax(logits); p += 1                     argmax.cu  (writes the next step's input)
 
-Each GEMV names the next one's matrices (Wo after q/k/v, gate and up after Wo, down, the next
-layer's Wq, the output matrix): with the DEC_L2PF define its finishing blocks ask L2 for their
-first bytes (decode_common.cuh l2_prefetch_share), so the DRAM streams through the small kernels.
-
 The token and the position live in device memory (`state` int32 [4]: token, position, count of
 emitted tokens; `best` float32: the chosen logit; both in one 8-word buffer `io`, so one small
 copy brings both back), so the same launches serve every step: `DecodeStep` records them once
@@ -151,7 +147,7 @@ class DecodeStep:
             # of matrices that share kind and layout
             qkv_w, qkv_y = [W["attn_q"], W["attn_k"], W["attn_v"]], [q_out, k_out, v_out]
             if m.mixed_launch and mixes(qkv_w):
-                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds, [L.wo])
+                mmvq_mixed_launch(qkv_w, qkv_y, self.act_d.q, self.act_d.ds)
             else:
                 groups: list[tuple[list, list]] = []
                 for wt, out in zip(qkv_w, qkv_y):
@@ -160,8 +156,8 @@ class DecodeStep:
                         groups[-1][1].append(out)
                     else:
                         groups.append(([wt], [out]))
-                for gi, (ws, outs) in enumerate(groups):
-                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store", [L.wo][:gi + 1 == len(groups)])
+                for ws, outs in groups:
+                    mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
             kl, vl = cache.k_layer(i), cache.v_layer(i)
             post((-(-n_post // 256),), (256,), (
                 self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
@@ -170,20 +166,19 @@ class DecodeStep:
             attention_launch(self.qrot, kl, vl, ts, hs, self.state[1:2], cfg.n_heads, cfg.n_kv_heads,
                              cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
                              self.act_q.q, self.act_q.ds)
-            mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add", [W["ffn_gate"], W["ffn_up"]])
+            mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add")
             norm(L.ffn_norm)
             if same_launch(W["ffn_gate"], W["ffn_up"]):
-                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu", [L.down])
+                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
             else:
                 mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
-                mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store", [L.down])
+                mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
                 ff = cfg.d_ff
                 _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
                                                                                np.int32(ff)))
             qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
                                                   np.int32(cfg.d_ff // 32)))
-            nxt = [layers[i + 1].roles["attn_q"]] if i + 1 < len(layers) else [m.output_w]
-            mmvq_launch([L.down], [self.x], self.act_ff.q, self.act_ff.ds, "add", nxt)
+            mmvq_launch([L.down], [self.x], self.act_ff.q, self.act_ff.ds, "add")
             norm(layers[i + 1].attn_norm if i + 1 < len(layers) else m.output_norm)
         mmvq_launch([m.output_w], [self.logits], self.act_d.q, self.act_d.ds, "store")
         self.argmax_into_state(self.logits)

@@ -21,23 +21,12 @@ def mmvq_warps() -> int:
     return kernels.define_value("MMVQ_NW", MMVQ_NW)
 
 
-def prefetch_args(nxt: Sequence = ()) -> tuple:
-    """The MMVQ kernels' last four arguments: up to two matrices of the next GEMV, whose first
-    bytes the finishing blocks ask L2 for (decode_common.cuh l2_prefetch_share; only with the
-    DEC_L2PF define, else ignored)."""
-    if len(nxt) > 2:
-        raise ValueError("mmvq prefetch: at most two matrices")
-    rng = [(w.data, np.int64(w.nbytes)) for w in nxt] + [(np.uint64(0), np.int64(0))] * (2 - len(nxt))
-    return (*rng[0], *rng[1])
-
-
-def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store", prefetch: Sequence = ()) -> None:
+def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store") -> None:
     """y = W x for one q8_1 row (xq int8 [K], xds float32 [K/32, 2]) on the current stream.
 
     store:   up to 3 matrices of one kind, layout and K, outs[i] = W_i x.
     add:     one matrix, outs[0] += W x.
     swiglu:  weights = (gate, up) of one kind, outs[0] = silu(Wg x) * (Wu x).
-    prefetch: the next GEMV's matrices (up to two; prefetch_args).
     """
     w0 = weights[0]
     kind, padded, K = w0.kind, bool(getattr(w0, "padded", False)), int(w0.cols)
@@ -59,7 +48,7 @@ def mmvq_launch(weights: Sequence, outs: Sequence, xq, xds, mode: str = "store",
     grid, _, args = _segments(segs, weights, outs)
     k = kernels.get_kernel(KERNEL_FILE[kind], registry.mmvq_name(kind, mode, padded))
     if grid:
-        k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(K)) + prefetch_args(prefetch))
+        k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(K)))
 
 
 def _segments(segs: Sequence, weights: Sequence, outs: Sequence):
@@ -85,7 +74,7 @@ def mixes(weights: Sequence) -> bool:
             and len({bool(getattr(w, "padded", False)) for w in weights[n4:]}) == 1)
 
 
-def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds, prefetch: Sequence = ()) -> None:
+def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds) -> None:
     """store mode over q4_K and q6_K matrices in one launch (mmvq_mixed.cu; `mixes`): outs[i] =
     W_i x, the same bits as mmvq_launch over each kind's run."""
     if not mixes(weights) or len(outs) != len(weights):
@@ -94,5 +83,4 @@ def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds, prefetch: Sequ
     b6 = (nb1, nb2)[[w.kind for w in weights].count("q4_k") - 1]    # the first q6_K block
     padded = bool(getattr(weights[-1], "padded", False))
     k = kernels.get_kernel(MIXED_FILE, registry.mmvq_mixed_name(padded))
-    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6))
-      + prefetch_args(prefetch))
+    k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)))
