@@ -70,9 +70,6 @@ decode_embed(const u8* __restrict__ W, long long row_bytes, int wtype, int bstri
 
 #define RMS_NT 1024
 #define RMS_MAXJ 8                           // K <= RMS_NT * RMS_MAXJ (ops.norm.RMSNORM_MAX_K)
-#ifndef RMS_WEARLY
-#define RMS_WEARLY 0                         // 1 (A/B define): the norm weights of the block's slices
-#endif                                       // load with x at entry, not after the sum of squares
 
 // Every block computes the same sum of squares in the order of one 1024-thread block (thread t
 // adds x[t], x[t + 1024], ... in turn; warp, then block butterflies), then quantizes the 1024-value
@@ -86,13 +83,9 @@ rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, 
     __shared__ float red[RMS_NT / 32];
     __shared__ float rscale;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float xv[RMS_MAXJ], wv[RMS_MAXJ];        // all loads issued before the first add
+    float xv[RMS_MAXJ];                      // all loads issued before the first add
 #pragma unroll
-    for (int j = 0; j < RMS_MAXJ; ++j) {
-        const int k = tid + j * RMS_NT;
-        xv[j] = k < K ? x[k] : 0.0f;
-        wv[j] = RMS_WEARLY && k < K && j % gridDim.x == blockIdx.x ? w[k] : 0.0f;
-    }
+    for (int j = 0; j < RMS_MAXJ; ++j) xv[j] = tid + j * RMS_NT < K ? x[tid + j * RMS_NT] : 0.0f;
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < RMS_MAXJ; ++j)
@@ -116,7 +109,7 @@ rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, 
     for (int j = 0; j < RMS_MAXJ; ++j) {
         const int k = tid + j * RMS_NT;      // K is a multiple of 32: whole warps in or out
         if (j % gridDim.x != blockIdx.x || k >= K) continue;
-        const float h = __fmul_rn(__fmul_rn(xv[j], r), RMS_WEARLY ? wv[j] : w[k]);
+        const float h = __fmul_rn(__fmul_rn(xv[j], r), w[k]);
         if (hout) hout[k] = h;
         q8_1_warp(h, q + k, ds + (k >> 5));
     }
