@@ -875,8 +875,14 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         wp = ops.wgmma.wgmma_pair
         monkeypatch.setattr(ops.wgmma, "wgmma_pair",
                             lambda wa, wb, xt, T, *a: calls.append((T, "pair")) or wp(wa, wb, xt, T, *a))
+        import engine.gpu.model as gpu_model
+
+        planned = []                                               # what the wave model is given
+        plan = gpu_model.plan_ubatches
+        monkeypatch.setattr(gpu_model, "plan_ubatches", lambda n, u, gemms: planned.append(gemms) or plan(n, u, gemms))
         g = GPUModel(mf, ubatch=64)
         g.wgmma_min_tokens = 64
+        assert g.ubatch_bounds(150) == [(0, 64), (64, 128), (128, 150)]
         lg = g.forward(ids, g.new_cache(150), all_logits=True)     # ubatches 64, 64, 22
         n_all = len(calls)
         tiled = []
@@ -898,6 +904,7 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
     pairs = [ops.wgmma.pairs([s.w for s in L.qkv]) for L in g.layers]
     assert any(pairs) and n_all == sum(2 * ((1 if p else len(L.qkv)) + 3) for p, L in zip(pairs, g.layers))
     assert sum(k == "pair" for _, k in calls[:n_all]) == 2 * sum(pairs)
+    assert 2 * sum(planned[0].values()) == n_all   # the wave model sees the launches that ran
     assert all(k != "pair" for _, k in calls[n_before_q:])     # q6_K on MMQ: no pair launch
     for out in (lg, lq):
         rel = np.linalg.norm(out - lr) / np.linalg.norm(lr)

@@ -10,7 +10,8 @@ One weight set on the device serves both modes:
   protocol of engine/session.py), taken from a pool of sessions by size bucket.
 `new_cache(max_tokens)` -> engine.gpu.kv_cache.GPUKVCache, the one KV cache class of both.
 
-A prompt runs in ubatches of at most `ubatch` tokens (default 4096); per ubatch of T tokens
+A prompt runs in ubatches of at most `ubatch` tokens (default 4096; split by ubatch_plan.py's
+wave arithmetic on the Hopper path); per ubatch of T tokens
 at positions start.. (x: [T, d] float32 residual stream, A: q8_1 activations):
 
     x = embed(ids)                                     embed.cu (q4_K / q6_K rows, per token)
@@ -62,6 +63,7 @@ from engine.errors import GGUFError
 from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
 from engine.gpu.kv_cache import GPUKVCache
 from engine.gpu.prefill_graph import cache_graph, graph_tokens
+from engine.gpu.ubatch_plan import bounds, layer_launches, plan_ubatches
 from engine.gpu.profiler import OpTimer
 
 DEFAULT_UBATCH = 4096
@@ -324,8 +326,7 @@ class GPUModel:
         ids_dev = cp.asarray(ids.astype(np.int32))
         logits = cp.empty((n, self.config.vocab_size), dtype=cp.float32) if all_logits else None
         last = None
-        for u0 in range(0, n, self.ubatch):
-            u1 = min(n, u0 + self.ubatch)
+        for u0, u1 in self.ubatch_bounds(n):
             res = self._ubatch(ids_dev[u0:u1], start + u0, cache, all_rows=all_logits)
             if all_logits:
                 logits[u0:u1] = res
@@ -333,6 +334,12 @@ class GPUModel:
                 last = res
             cache.length = start + u1
         return logits if all_logits else last[0]
+
+    def ubatch_bounds(self, n: int) -> list[tuple[int, int]]:
+        """An n-token prompt's ubatches (<= `ubatch` tokens; Hopper: engine.gpu.ubatch_plan)."""
+        big = max(self.ubatch, self.wgmma_min_tokens or 0)
+        return bounds(plan_ubatches(n, self.ubatch, layer_launches(
+            self.layers, lambda w: self._on_wgmma(w, big), lambda ws: self.mixed_launch and ops.wgmma.pairs(ws))))
 
     # ------------------------------------------------------------------ profiling
 
