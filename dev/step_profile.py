@@ -1,7 +1,8 @@
 """Launch sequence of batched decode steps for a kernel-level profiler (nsys or ncu): a model,
 a GPUBatch of NPL slots holding DEPTH random tokens each, then STEPS decode-only steps of NPL
 tokens (graph replays), one step at a time; NPL = 1: the single-stream decode graph (DecodeStep,
-`bench -n`'s) after DEPTH tokens of context, STEPS replays back to back. The profiler gives each
+`bench -n`'s) after DEPTH tokens of context, STEPS replays back to back; NPL = 0: STEPS prompt
+forwards of DEPTH tokens (`bench -p DEPTH`'s, a prefill graph up to its size). The profiler gives each
 kernel's time in the step with no event overhead (engine.gpu.profiler's per-launch events cost
 more than the small kernels they time).
 
@@ -25,6 +26,21 @@ if len(sys.argv) > 5:                  # experiment: decode-row attention blocks
 model = load_model(path, device="gpu")
 import cupy  # noqa: E402
 
+if npl == 0:                           # prompt forwards: `bench -p depth`
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, depth).tolist()
+    cache = model.new_cache(depth)
+    for _ in range(2):                           # kernels loaded, prefill graph recorded
+        cache.length = 0
+        model.forward_device(ids, cache)
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy.cuda.profiler.start()
+    for _ in range(steps):
+        cache.length = 0
+        model.forward_device(ids, cache)
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy.cuda.profiler.stop()
+    print(f"step_profile: {steps} prompt forwards of {depth} tokens")
+    raise SystemExit(0)
 if npl == 1:                           # single stream: the decode graph of `bench -n` (DecodeStep)
     from engine.gpu.decode import DecodeStep
 

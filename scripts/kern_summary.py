@@ -8,11 +8,13 @@ import csv
 import re
 import sys
 
-FAMILIES = ((r"mmq_q4_k|mmsb_q4_k|mmvq_q4_k", "q4_K GEMM"), (r"mmq_q6_k|mmsb_q6_k|mmvq_q6_k", "q6_K GEMM"),
+FAMILIES = ((r"wgmma_pair", "q4_K + q6_K GEMM"),
+            (r"mmq_q4_k|mmsb_q4_k|mmvq_q4_k|wgmma_q4_k", "q4_K GEMM"),
+            (r"mmq_q6_k|mmsb_q6_k|mmvq_q6_k|wgmma_q6_k", "q6_K GEMM"),
             (r"attn", "attention"),
             (r"split|reduce", "split reduce"), (r"rope", "rope"),
             (r"rmsnorm|gather", "norm"), (r"swiglu", "swiglu"), (r"embed", "embed"),
-            (r"argmax|record_last|resolve_follow", "tokens"))
+            (r"argmax|record_last|resolve_follow", "tokens"), (r"tile|x16", "f16 operand tiles"))
 
 
 def family(name: str) -> str:
