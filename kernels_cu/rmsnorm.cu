@@ -22,6 +22,19 @@
 
 #define RN_THREADS 256
 #define RN_MAXJ 8            // K <= 8 * 1024
+#ifndef RN_WEARLY
+#define RN_WEARLY 0          // 1 (A/B define): the norm weights load before the PDL wait, not
+#endif                       // after the sum of squares (one memory latency fewer in series)
+
+// The row's norm weights w[4i..4i+3], i = tid + 256 j, into registers (RN_WEARLY; the same
+// values the kernels read after the reduction otherwise).
+__device__ __forceinline__ void rn_load_w(float4 (&wv)[RN_MAXJ], const float* __restrict__ w, int K) {
+#pragma unroll
+    for (int j = 0; j < RN_MAXJ; ++j) {
+        const int i = threadIdx.x + RN_THREADS * j;
+        if (RN_WEARLY && i < (K >> 2)) wv[j] = reinterpret_cast<const float4*>(w)[i];
+    }
+}
 
 // Row r: x += y (when y), v[j] = the row's float4s i = tid + 256 j; returns the row's
 // 1 / sqrt(mean(x^2) + eps). Every thread of the block calls it (one barrier).
@@ -76,6 +89,8 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS)
 add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                  i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout,
                  int K, float eps) {
+    float4 wv[RN_MAXJ];
+    rn_load_w(wv, w, K);                               // a weight: no wait for it
     pdl_entry();
     __shared__ float red[RN_THREADS / 32];
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
@@ -89,7 +104,7 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = tid + RN_THREADS * j;
         if (i < K4) {                                  // warp-uniform
-            const float4 h = rn_h(v[j], scale, w4[i]);
+            const float4 h = rn_h(v[j], scale, RN_WEARLY ? wv[j] : w4[i]);
             if (hout) reinterpret_cast<float4*>(hout + (size_t)r * K)[i] = h;
             float d;
             int qv[4], qs;
@@ -122,6 +137,8 @@ __device__ __forceinline__ void rn_stage_quad(u16* __restrict__ st, int k, const
 extern "C" __global__ void __launch_bounds__(RN_THREADS)
 add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                 u16* __restrict__ Xt, int K, float eps) {
+    float4 wv[RN_MAXJ];
+    rn_load_w(wv, w, K);                               // a weight: no wait for it
     pdl_entry();
     __shared__ float red[RN_THREADS / 32];
     __shared__ __align__(16) u16 st[RN_MAXJ * 4 * RN_THREADS];   // K <= 8192 f16: 16 KB
@@ -132,7 +149,7 @@ add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float*
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = tid + RN_THREADS * j;
-        if (i < (K >> 2)) rn_stage_quad(st, 4 * i, rn_h(v[j], scale, w4[i]));
+        if (i < (K >> 2)) rn_stage_quad(st, 4 * i, rn_h(v[j], scale, RN_WEARLY ? wv[j] : w4[i]));
     }
     __syncthreads();
     const uint4* sp = reinterpret_cast<const uint4*>(st);
