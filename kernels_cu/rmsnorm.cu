@@ -22,17 +22,15 @@
 
 #define RN_THREADS 256
 #define RN_MAXJ 8            // K <= 8 * 1024
-#ifndef RN_WEARLY
-#define RN_WEARLY 0          // 1 (A/B define): the norm weights load before the PDL wait, not
-#endif                       // after the sum of squares (one memory latency fewer in series)
 
-// The row's norm weights w[4i..4i+3], i = tid + 256 j, into registers (RN_WEARLY; the same
-// values the kernels read after the reduction otherwise).
+// The row's norm weights w[4i..4i+3], i = tid + 256 j, into registers, before the PDL wait (a
+// weight: no predecessor writes it), so their latency overlaps the residual's loads and the
+// reduction instead of following them (pp32 +1.5%, docs/perf-log.md Session 23).
 __device__ __forceinline__ void rn_load_w(float4 (&wv)[RN_MAXJ], const float* __restrict__ w, int K) {
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = threadIdx.x + RN_THREADS * j;
-        if (RN_WEARLY && i < (K >> 2)) wv[j] = reinterpret_cast<const float4*>(w)[i];
+        if (i < (K >> 2)) wv[j] = reinterpret_cast<const float4*>(w)[i];
     }
 }
 
@@ -99,12 +97,11 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
     const float scale = rn_add_scale(v, x, y, r, K, eps, red);
     u32* qr = reinterpret_cast<u32*>(q + (size_t)r * K);
     float2* dsr = ds + (size_t)r * (K >> 5);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = tid + RN_THREADS * j;
         if (i < K4) {                                  // warp-uniform
-            const float4 h = rn_h(v[j], scale, RN_WEARLY ? wv[j] : w4[i]);
+            const float4 h = rn_h(v[j], scale, wv[j]);
             if (hout) reinterpret_cast<float4*>(hout + (size_t)r * K)[i] = h;
             float d;
             int qv[4], qs;
@@ -145,11 +142,10 @@ add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float*
     const int r = blockIdx.x, tid = threadIdx.x, ngroups = (gridDim.x + 7) / 8;
     float4 v[RN_MAXJ];
     const float scale = rn_add_scale(v, x, y, r, K, eps, red);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
 #pragma unroll
     for (int j = 0; j < RN_MAXJ; ++j) {
         const int i = tid + RN_THREADS * j;
-        if (i < (K >> 2)) rn_stage_quad(st, 4 * i, rn_h(v[j], scale, RN_WEARLY ? wv[j] : w4[i]));
+        if (i < (K >> 2)) rn_stage_quad(st, 4 * i, rn_h(v[j], scale, wv[j]));
     }
     __syncthreads();
     const uint4* sp = reinterpret_cast<const uint4*>(st);
