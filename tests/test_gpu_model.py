@@ -412,12 +412,13 @@ def test_default_ubatch(monkeypatch):
 
 
 def test_prefill_variant_rule(monkeypatch):
-    """The production prefill attention: wgmma on sm_90, fa2 on other GPUs; GGUF_PREFILL_ATTN=fa2
-    forces fa2, =wgmma asks for it (still fa2 off sm_90), an unknown value is a named error."""
+    """The production prefill attention: wgmma on sm_90 from ATT_WGMMA_MIN_QUERIES queries, fa2
+    below and on other GPUs; GGUF_PREFILL_ATTN=fa2 forces fa2, =wgmma asks for it at any size
+    (still fa2 off sm_90), an unknown value is a named error."""
     import types
 
     from engine.errors import GGUFError
-    from engine.gpu.ops.attention import prefill_variant
+    from engine.gpu.ops.attention import ATT_WGMMA_MIN_QUERIES as MINQ, prefill_variant
 
     def gpu(cc):
         dev = types.SimpleNamespace(compute_capability=cc)
@@ -425,15 +426,16 @@ def test_prefill_variant_rule(monkeypatch):
 
     monkeypatch.delenv("GGUF_PREFILL_ATTN", raising=False)
     gpu("90")
-    assert prefill_variant() == "wgmma"
+    assert prefill_variant() == prefill_variant(MINQ) == prefill_variant(8192) == "wgmma"
+    assert prefill_variant(MINQ - 1) == prefill_variant(1) == "fa2"
     gpu("89")
-    assert prefill_variant() == "fa2"
+    assert prefill_variant() == prefill_variant(8192) == "fa2"
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "wgmma")
     assert prefill_variant() == "fa2"
     gpu("90")
-    assert prefill_variant() == "wgmma"
+    assert prefill_variant() == prefill_variant(32) == "wgmma"
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "fa2")
-    assert prefill_variant() == "fa2"
+    assert prefill_variant() == prefill_variant(8192) == "fa2"
     monkeypatch.setenv("GGUF_PREFILL_ATTN", "flash")
     with pytest.raises(GGUFError, match="GGUF_PREFILL_ATTN"):
         prefill_variant()

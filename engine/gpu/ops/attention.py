@@ -33,6 +33,10 @@ ATT_HEAD_DIMS = registry.ATT_PREFILL_HEAD_DIMS   # instantiated head sizes
 # an A/B run may change each through GGUF_PREFILL_KERNEL_DEFINES, and the launcher follows
 ATT_WGMMA_NWG, ATT_WGMMA_BK, ATT_WGMMA_STAGES, ATT_WGMMA_PROD = 2, 128, 3, 1
 ATT_WGMMA_KST, ATT_WGMMA_VST = 3, 3       # its K / V ring sizes under the AW_SPLIT A/B define
+# Ubatches of fewer queries take fa2 on sm_90 too (prefill_variant): at 32 queries (llama2-7b
+# pp32, ncu, H100) fa2 runs 5.5 us a layer against wgmma's 6.5; whole model pp32 1.010x, pp128
+# 1.007x (docs/perf-log.md Session 23). Not measured between 129 and 511.
+ATT_WGMMA_MIN_QUERIES = 129
 SMEM_PER_BLOCK_MAX = 227 * 1024    # dynamic shared memory of one block on sm_90
 # prefill kernel variants (dev/attn_bench compares them): "fa2" = attention_prefill.cu (mma.sync,
 # any GPU), "wgmma" = attention_wgmma.cu (Hopper warpgroup MMAs, sm_90); prefill_variant chooses
@@ -86,10 +90,11 @@ def prefill_grid(n_tiles: int, heads: int) -> tuple[int, int]:
     return heads, n_tiles
 
 
-def prefill_variant() -> str:
-    """The attention_prefill kernel: "wgmma" on an sm_90 GPU (measured 1.23-1.33x
-    attention_prefill.cu on the H100 at head size 128, outputs bit-identical), "fa2" otherwise;
-    GGUF_PREFILL_ATTN names the variant instead (A/B runs: fa2 anywhere, wgmma on sm_90 only)."""
+def prefill_variant(n_queries: int | None = None) -> str:
+    """The attention_prefill kernel for a ubatch of n_queries: "wgmma" on an sm_90 GPU (measured
+    1.23-1.33x attention_prefill.cu on the H100 at head size 128, outputs bit-identical) from
+    ATT_WGMMA_MIN_QUERIES queries on, "fa2" below that and on other GPUs; GGUF_PREFILL_ATTN names
+    the variant instead, for every size (A/B runs: fa2 anywhere, wgmma on sm_90 only)."""
     env = os.environ.get("GGUF_PREFILL_ATTN", "").strip()
     if env and env not in PREFILL_VARIANTS:
         raise GGUFError(f"GGUF_PREFILL_ATTN={env!r}: one of {', '.join(PREFILL_VARIANTS)}")
@@ -97,7 +102,10 @@ def prefill_variant() -> str:
         return "fa2"
     import cupy
 
-    return "wgmma" if getattr(cupy.cuda.Device(), "compute_capability", "") == "90" else "fa2"
+    if getattr(cupy.cuda.Device(), "compute_capability", "") != "90":
+        return "fa2"
+    small = not env and n_queries is not None and n_queries < ATT_WGMMA_MIN_QUERIES
+    return "fa2" if small else "wgmma"
 
 
 def _check_io(op: str, qh, kc, vc, out_act, out_f32, out_x16):
@@ -138,11 +146,11 @@ def attention_prefill(qh, kc, vc, start: int, out_act=None, out_f32=None, start_
     out_f32); exactly one.
     start_dev (int32 [1] on the device, or None) is added to start in the kernel. variant: one of
     PREFILL_VARIANTS (None: the production choice)."""
+    H, n, hd, KVH, maxT, out, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, out_x16)
     if variant is None:
-        variant = prefill_variant()
+        variant = prefill_variant(n)
     if variant not in PREFILL_VARIANTS:
         raise ValueError(f"attention_prefill: unknown variant {variant!r} ({PREFILL_VARIANTS})")
-    H, n, hd, KVH, maxT, out, o, oq, ods = _check_io("attention_prefill", qh, kc, vc, out_act, out_f32, out_x16)
     if start + n > maxT:
         raise ValueError(f"attention_prefill: tokens {start}..{start + n} exceed the cache ({maxT})")
     if n == 0:
