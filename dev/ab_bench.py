@@ -12,7 +12,7 @@ loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compi
 Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
 kernels compile once).
 Printed per set and test: the median tok/s over every round's repetitions, its ratio to the
-baseline's, and with two or more -p values each set's last-over-first pp ratio (issue 14's
+baseline's, and with two or more -p values each set's quotient of its last two pp rows (issue 14's
 pp8192 / pp3314). The kernels module keeps one build per define set, and each row makes its own
 cache (so no CUDA graph of one set is replayed under another).
 """
@@ -30,8 +30,8 @@ from engine.gpu.kernels import DEFINES_ENV as ENV, parse_defines
 def summarize(samples: dict[str, dict[str, list[float]]], sets: list[str], tests: list[str],
               pp_tests: list[str]) -> list[dict]:
     """Rows {set, test, median, ratio} from samples[set][test] = tok/s values; ratio = this
-    set's median over the first set's; with two or more pp tests, a row test="<last>/<first>"
-    per set holding the quotient of their medians."""
+    set's median over the first set's; with two or more pp tests, a row test="<last>/<one
+    before>" per set holding the quotient of their medians (-p 32,..,3314,8192: pp8192 / pp3314)."""
     rows = []
     for s in sets:
         med = {t: statistics.median(samples[s][t]) for t in tests}
@@ -39,7 +39,7 @@ def summarize(samples: dict[str, dict[str, list[float]]], sets: list[str], tests
             base = statistics.median(samples[sets[0]][t])
             rows.append(dict(set=s, test=t, median=med[t], ratio=med[t] / base, n=len(samples[s][t])))
         if len(pp_tests) >= 2:
-            rows.append(dict(set=s, test=f"{pp_tests[-1]}/{pp_tests[0]}", median=med[pp_tests[-1]] / med[pp_tests[0]],
+            rows.append(dict(set=s, test=f"{pp_tests[-1]}/{pp_tests[-2]}", median=med[pp_tests[-1]] / med[pp_tests[-2]],
                              ratio=None, n=None))
     return rows
 

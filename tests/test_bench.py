@@ -160,7 +160,7 @@ def test_batched_bad_arguments(tiny_model_path, capsys, argv):
 
 def test_ab_bench_summary():
     """dev/ab_bench: medians over every round's samples, ratios to the first set, and each set's
-    last-over-first pp quotient (issue 14's pp8192 / pp3314)."""
+    quotient of its last two pp rows (issue 14's pp8192 / pp3314, also behind pp32 and pp128)."""
     from dev.ab_bench import format_rows, summarize
 
     samples = {"": {"pp10": [100.0, 102.0, 98.0], "pp20": [90.0, 91.0, 89.0]},
@@ -174,6 +174,9 @@ def test_ab_bench_summary():
     assert by[("X=1", "pp20/pp10")]["median"] == pytest.approx(0.90)
     text = format_rows(rows)
     assert "| (none) | pp10 | 100.0 | 1.000 |" in text and "| X=1 | pp20/pp10 | 0.900 |  |" in text
+    samples[""]["pp5"] = [300.0]
+    rows = summarize(samples, [""], ["pp5", "pp10", "pp20"], ["pp5", "pp10", "pp20"])
+    assert [r["test"] for r in rows if r["ratio"] is None] == ["pp20/pp10"]
 
 
 def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
