@@ -578,6 +578,20 @@ def test_decode_logits_match_reference(cp, rng, which, tiny_path, tiny_qwen2_pat
     assert agree[margin >= MIN_MARGIN].all()
 
 
+@pytest.mark.parametrize("which", ["tiny", "tiny-qwen2"])
+def test_decode_post_fused_same_bits(cp, rng, monkeypatch, which, tiny_path, tiny_qwen2_path):
+    """DEC_POST_FUSED (decode_fused.cu qkv_post inside the attention split, attn_split_post) gives
+    the unfused step's logits bit for bit at every step, so the K/V rows it writes (read by the
+    later steps) are the same too; tiny-qwen2 has the q/k/v bias and neox RoPE."""
+    path = tiny_path if which == "tiny" else tiny_qwen2_path
+    model = _gpu_model(path)
+    ids = rng.integers(0, model.config.vocab_size - 3, 6 if EMU else 70).tolist()
+    base = _step_logits(model, ids, use_graph=True)
+    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "DEC_POST_FUSED=1")
+    fused = _step_logits(model, ids, use_graph=True)
+    assert np.array_equal(fused.view(np.uint32), base.view(np.uint32))
+
+
 def _golden_cases(name):
     from engine.tools import greedy32
 

@@ -286,6 +286,11 @@ def attn_split_name(head_dim: int, group: int, kv_dtype: str) -> str:
     return f"attn_split_h{head_dim}_g{group}_{kv_dtype}"
 
 
+def attn_split_post_name(head_dim: int, group: int) -> str:
+    """The split with decode_fused.cu qkv_post fused in (f16 cache; DEC_POST_FUSED)."""
+    return f"attn_split_post_h{head_dim}_g{group}"
+
+
 def attn_combine_name(head_dim: int) -> str:
     return f"attn_combine_h{head_dim}"
 
@@ -351,7 +356,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS)
     + tuple(attn_split_varlen_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS)
-    + tuple(attn_combine_varlen_name(h) for h in ATTN_HEAD_DIMS),
+    + tuple(attn_combine_varlen_name(h) for h in ATTN_HEAD_DIMS)
+    + tuple(attn_split_post_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS),
     "argmax.cu": ("argmax_step", "argmax_rows"),
     "gather_rows.cu": ("gather_add_rows",),
     "follow_tokens.cu": ("record_last", "resolve_follow"),
