@@ -63,8 +63,8 @@ from engine.errors import GGUFError
 from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
 from engine.gpu.kv_cache import GPUKVCache
 from engine.gpu.prefill_graph import cache_graph, graph_tokens
-from engine.gpu.ubatch_plan import bounds, layer_launches, plan_ubatches
 from engine.gpu.profiler import OpTimer
+from engine.gpu.ubatch_plan import bounds, layer_launches, plan_ubatches
 
 DEFAULT_UBATCH = 4096
 

@@ -357,7 +357,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS)
     + tuple(attn_split_varlen_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS)
     + tuple(attn_combine_varlen_name(h) for h in ATTN_HEAD_DIMS)
-    + tuple(attn_split_post_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS),
+    + tuple(attn_split_post_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS),   # A/B: DEC_POST_FUSED
     "argmax.cu": ("argmax_step", "argmax_rows"),
     "gather_rows.cu": ("gather_add_rows",),
     "follow_tokens.cu": ("record_last", "resolve_follow"),
