@@ -26,53 +26,57 @@ if len(sys.argv) > 5:                  # experiment: decode-row attention blocks
 model = load_model(path, device="gpu")
 import cupy  # noqa: E402
 
-if npl == 0:                           # prompt forwards: `bench -p depth`
-    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, depth).tolist()
-    cache = model.new_cache(depth)
-    for _ in range(2):                           # kernels loaded, prefill graph recorded
-        cache.length = 0
-        model.forward_device(ids, cache)
+rng = np.random.default_rng(0)
+V = model.config.vocab_size
+
+
+def profiled(run, n: int) -> None:
+    """n calls of run() between the profiler's start and stop, the device idle at both."""
     cupy.cuda.runtime.deviceSynchronize()
     cupy.cuda.profiler.start()
-    for _ in range(steps):
-        cache.length = 0
-        model.forward_device(ids, cache)
+    for _ in range(n):
+        run()
     cupy.cuda.runtime.deviceSynchronize()
     cupy.cuda.profiler.stop()
+
+
+if npl == 0:                           # prompt forwards: `bench -p depth`
+    ids = rng.integers(0, V, depth).tolist()
+    cache = model.new_cache(depth)
+
+    def forward():
+        cache.length = 0
+        model.forward_device(ids, cache)
+
+    forward()
+    forward()                                    # kernels loaded, prefill graph recorded
+    profiled(forward, steps)
     print(f"step_profile: {steps} prompt forwards of {depth} tokens")
-    raise SystemExit(0)
-if npl == 1:                           # single stream: the decode graph of `bench -n` (DecodeStep)
+elif npl == 1:                         # single stream: the decode graph of `bench -n` (DecodeStep)
     from engine.gpu.decode import DecodeStep
 
     cache = model.new_cache(depth + steps + 4)
     if depth:
-        model.forward_device(np.random.default_rng(0).integers(0, model.config.vocab_size, depth).tolist(), cache)
+        model.forward_device(rng.integers(0, V, depth).tolist(), cache)
     step = DecodeStep(model, cache)
     step.chain(1, depth, 2)                      # kernels loaded, graph recorded
     with step.stream:
         step.set_state(1, depth)
-    step.stream.synchronize()
-    cupy.cuda.profiler.start()
-    with step.stream:
-        for _ in range(steps):
-            step.graph.launch(step.stream)
-    step.stream.synchronize()
-    cupy.cuda.profiler.stop()
+    profiled(lambda: step.graph.launch(step.stream), steps)
     print(f"step_profile: single stream at depth {depth}, {steps} graph replays")
-    raise SystemExit(0)
-batch = model.batch(npl, depth + steps + 4)
-rng = np.random.default_rng(0)
-V = model.config.vocab_size
-for i in range(npl):
-    batch.run([BatchEntry(i, rng.integers(0, V, depth).tolist(), 0, None)])
-toks = [int(t) for t in rng.integers(0, V, npl)]
+else:                                  # batched decode-only steps of npl slots
+    batch = model.batch(npl, depth + steps + 4)
+    for i in range(npl):
+        batch.run([BatchEntry(i, rng.integers(0, V, depth).tolist(), 0, None)])
+    toks, pos = [int(t) for t in rng.integers(0, V, npl)], depth
 
-for k in range(steps + 2):                       # two warm-up steps (the first records the graph)
-    if k == 2:
-        cupy.cuda.runtime.deviceSynchronize()
-        cupy.cuda.profiler.start()
-    outs = batch.run([BatchEntry(i, [toks[i]], depth + k, "argmax") for i in range(npl)])
-    toks = [o[0] for o in outs]
-cupy.cuda.profiler.stop()
-print(f"step_profile: {npl} slots at depth {depth}, {steps} steps, "
-      f"last device ms {batch.last_device_seconds * 1e3:.3f}")
+    def batch_step():                            # one token per slot, its argmax fed to the next step
+        global toks, pos
+        toks = [o[0] for o in batch.run([BatchEntry(i, [toks[i]], pos, "argmax") for i in range(npl)])]
+        pos += 1
+
+    batch_step()
+    batch_step()                                 # two warm-up steps (the first records the graph)
+    profiled(batch_step, steps)
+    print(f"step_profile: {npl} slots at depth {depth}, {steps} steps, "
+          f"last device ms {batch.last_device_seconds * 1e3:.3f}")

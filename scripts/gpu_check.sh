@@ -313,8 +313,9 @@ step_splits() {
 
 # Kernel time of a batched decode step (PROFILE_NPL slots at depth PROFILE_DEPTH (256),
 # PROFILE_STEPS graph replays (1) after two warm-up steps; PROFILE_NPL=1: the single-stream decode
-# graph; PROFILE_NPL=0: prompt forwards of PROFILE_DEPTH tokens) from Nsight Compute: each kernel node's duration (no event overhead; kernels serialized,
-# caches not flushed), summed per kernel family by scripts/kern_summary.py.
+# graph; PROFILE_NPL=0: prompt forwards of PROFILE_DEPTH tokens) from Nsight Compute: each kernel
+# node's duration (no event overhead; kernels serialized, caches not flushed), summed per kernel
+# family by scripts/kern_summary.py.
 step_profile() {
   local m=/tmp/llama2-7b.gguf ncu npl
   synth_wait llama2-7b || return 1

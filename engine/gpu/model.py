@@ -10,8 +10,7 @@ One weight set on the device serves both modes:
   protocol of engine/session.py), taken from a pool of sessions by size bucket.
 `new_cache(max_tokens)` -> engine.gpu.kv_cache.GPUKVCache, the one KV cache class of both.
 
-A prompt runs in ubatches of at most `ubatch` tokens (default 4096; split by ubatch_plan.py's
-wave arithmetic on the Hopper path); per ubatch of T tokens
+A prompt runs in ubatches of at most `ubatch` tokens (default 4096); per ubatch of T tokens
 at positions start.. (x: [T, d] float32 residual stream, A: q8_1 activations):
 
     x = embed(ids)                                     embed.cu (q4_K / q6_K rows, per token)
@@ -337,9 +336,10 @@ class GPUModel:
 
     def ubatch_bounds(self, n: int) -> list[tuple[int, int]]:
         """An n-token prompt's ubatches (<= `ubatch` tokens; Hopper: engine.gpu.ubatch_plan)."""
-        big = max(self.ubatch, self.wgmma_min_tokens or 0)
-        return bounds(plan_ubatches(n, self.ubatch, layer_launches(
-            self.layers, lambda w: self._on_wgmma(w, big), lambda ws: self.mixed_launch and ops.wgmma.pairs(ws))))
+        big = max(self.ubatch, self.wgmma_min_tokens or 0)      # the launches only where a split is made
+        launches = layer_launches(self.layers, lambda w: self._on_wgmma(w, big),
+                                  lambda ws: self.mixed_launch and ops.wgmma.pairs(ws)) if n > self.ubatch else None
+        return bounds(plan_ubatches(n, self.ubatch, launches))
 
     # ------------------------------------------------------------------ profiling
 

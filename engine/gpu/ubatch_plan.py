@@ -52,8 +52,9 @@ def bounds(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def plan_ubatches(n: int, ubatch: int, gemms: Counter, sms: int = registry.WGMMA_WAVE_SMS) -> list[int]:
-    """The ubatch sizes of an n-token prompt (module docstring); `gemms` empty: plain ubatches."""
+def plan_ubatches(n: int, ubatch: int, gemms: Counter | None, sms: int = registry.WGMMA_WAVE_SMS) -> list[int]:
+    """The ubatch sizes of an n-token prompt (module docstring); `gemms` empty: plain ubatches
+    (None: n <= ubatch, where they are not needed)."""
     if n <= ubatch or not gemms or ubatch < 2 * STEP:
         return split(n, ubatch)
     best = None
