@@ -206,8 +206,11 @@ WGMMA_WIDE_TILES = 80
 WGMMA_SPLIT_BLOCKS = 3 * WGMMA_WAVE_SMS // 2
 
 
-def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
-    """(BT, KP) of the production launch for T tokens of an N x K matrix."""
+def wgmma_config(T: int, N: int, K: int, split_blocks: int = WGMMA_SPLIT_BLOCKS,
+                 max_kp: int = WGMMA_KPS[-1]) -> tuple[int, int]:
+    """(BT, KP) of the production launch for T tokens of an N x K matrix; split_blocks and max_kp
+    other than the defaults are A/B measurements (engine.gpu.ops.wgmma: defines WG_SPLIT_BLOCKS,
+    WG_MAX_KP)."""
     tiles = N // 128
     if T > 128:
         tiles_256 = -(-T // 256) * tiles
@@ -218,7 +221,7 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
     bt = min(bt, 64)
     blocks = -(-T // bt) * tiles
     kp = 1
-    while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_SPLIT_BLOCKS and 2 * kp <= K // 256:
+    while 2 * kp <= max_kp and blocks * 2 * kp <= split_blocks and 2 * kp <= K // 256:
         kp *= 2
     return bt, kp
 
