@@ -21,8 +21,7 @@
 // loaded together (one memory round trip per tile), q of the G heads sits in shared memory.
 // attn_combine: block = HD threads (one per output dim), grid = H; the q8_1 quantization is
 // decode_common.cuh q8_1_warp (one warp = one 32-element block, s = d * sum(q)).
-// Kernel names: attn_split_h{HD}_g{G}_{f16|f32}, attn_combine_h{HD}; attn_split_post_h{HD}_g{G}
-// (f16 cache): the split with decode_fused.cu qkv_post fused in (DEC_POST_FUSED, below).
+// Kernel names: attn_split_h{HD}_g{G}_{f16|f32}, attn_combine_h{HD}.
 //
 // Varlen (the decode rows of a batched step, engine/gpu/batch.py; the same split + combine):
 //   Q      f16 [H, T, HD], rope.cu's output: rotated and scaled by log2(e)/sqrt(HD), so the
@@ -41,21 +40,8 @@
 #define ATT_NEG_INF __int_as_float(0xff800000)
 #define ATT_TK 64
 
-// NC: through the read-only path; else from L2 (ld.global.cg): the fused split reads the K/V
-// row it wrote itself earlier in the kernel, which the read-only path does not promise to see.
-template <bool NC>
 __device__ __forceinline__ uint4 ld_kv16(const void* p) {
-#ifndef GGP_EMU
-    if (!NC) {
-        uint4 v;
-        asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-        return v;
-    }
     return __ldg(reinterpret_cast<const uint4*>(p));
-#else
-    return *reinterpret_cast<const uint4*>(p);
-#endif
 }
 
 // 16 loaded bytes -> VEC floats
@@ -72,16 +58,18 @@ __device__ __forceinline__ void kv_floats(const uint4& t, float (&v)[8]) {
     }
 }
 
+__device__ __forceinline__ float q_float(float v) { return v; }
+__device__ __forceinline__ float q_float(u16 v) { return f16_to_f32(v); }
+
 // e^x, or 2^x for scores in the exp2 domain (varlen)
 template <bool EXP2>
 __device__ __forceinline__ float att_exp(float x) { return EXP2 ? exp2f(x) : expf(x); }
 
 // Keys [j0, j1) of one split for the G query heads of KV head kvh -> part_o / part_ml.
-// qf(i): element i % HD of query head kvh * G + i / HD as float32 (a load, or the fused split's
-// RoPE); NC: K/V loads through the read-only path.
-template <int HD, int G, typename KV, bool EXP2, bool NC = true, class QF>
+// q: head h's query at q + h * q_head_stride (float32, or f16 for varlen).
+template <int HD, int G, typename KV, typename QT, bool EXP2>
 __device__ __forceinline__ void attn_split_tiles(
-    const QF& qf, const KV* __restrict__ kc, const KV* __restrict__ vc,
+    const QT* __restrict__ q, long long q_head_stride, const KV* __restrict__ kc, const KV* __restrict__ vc,
     long long tok_stride, long long head_stride, float scale, float* __restrict__ part_o,
     float2* __restrict__ part_ml, int S, int s, int kvh, int j0, int j1) {
     constexpr int VEC = 16 / sizeof(KV);
@@ -99,7 +87,8 @@ __device__ __forceinline__ void attn_split_tiles(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h0 = kvh * G;
-    for (int i = tid; i < G * HD; i += ATT_NT) sq[i / HD][i % HD] = qf(i);
+    for (int i = tid; i < G * HD; i += ATT_NT)
+        sq[i / HD][i % HD] = q_float(q[(size_t)(h0 + i / HD) * q_head_stride + i % HD]);
     if (tid < G) { sm[tid] = ATT_NEG_INF; sl[tid] = 0.0f; }
     __syncthreads();
 
@@ -119,8 +108,8 @@ __device__ __forceinline__ void attn_split_tiles(
 #pragma unroll
         for (int p = 0; p < NPASS; ++p) {
             const size_t j = (size_t)min(t0 + p * KPP + kg, j1 - 1);
-            kr[p] = ld_kv16<NC>(kbase + j * tok_stride);
-            if (PREV) vr[p] = ld_kv16<NC>(vbase + j * tok_stride);
+            kr[p] = ld_kv16(kbase + j * tok_stride);
+            if (PREV) vr[p] = ld_kv16(vbase + j * tok_stride);
         }
         // scores
 #pragma unroll
@@ -179,7 +168,7 @@ __device__ __forceinline__ void attn_split_tiles(
                 kv_floats(vr[PREV ? p : 0], vv);
             } else {
                 const size_t j = (size_t)min(t0 + kk, j1 - 1);
-                kv_floats(ld_kv16<NC>(vbase + j * tok_stride), vv);
+                kv_floats(ld_kv16(vbase + j * tok_stride), vv);
             }
 #pragma unroll
             for (int g = 0; g < G; ++g) {
@@ -253,9 +242,8 @@ __device__ __forceinline__ void attn_split_body(
     const int j0 = s * C, j1 = min(L, j0 + C);
     const int h0 = kvh * G;
     if (j0 < j1) {
-        const auto qf = [=](int i) { return q[(size_t)(h0 + i / HD) * HD + i % HD]; };
-        attn_split_tiles<HD, G, KV, false>(qf, kc, vc, tok_stride, head_stride, scale, part_o, part_ml, S, s,
-                                           kvh, j0, j1);
+        attn_split_tiles<HD, G, KV, float, false>(q, HD, kc, vc, tok_stride, head_stride, scale, part_o,
+                                                  part_ml, S, s, kvh, j0, j1);
     } else if (tid < G) {
         part_ml[(size_t)(h0 + tid) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
     }
@@ -285,71 +273,6 @@ ATT_SPLIT_G(4)
 ATT_SPLIT_G(6)
 ATT_SPLIT_G(7)
 ATT_SPLIT_G(8)
-
-// ---------------------------------------------------------------- split with qkv_post fused
-
-// attn_split_post: decode_fused.cu qkv_post and attn_split in one launch (the single-stream decode
-// step, DEC_POST_FUSED): q, k, v come raw from the q / k / v GEMV (qkv float32, bias, the RoPE
-// tables and state as qkv_post takes them). Each block rotates its G query heads itself
-// (qkv_rope_pair, the bits of qkv_post's qrot); the block whose split holds the new key p writes
-// K[p], V[p] of its KV head into the cache (qkv_post's bits, f16 rounded), then reads its keys
-// coherently, row p included. Other splits never read row p; so no block waits on another.
-template <int HD, int G, typename KV>
-__device__ __forceinline__ void attn_split_post_body(
-    const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rcos,
-    const float* __restrict__ rsin, const int* __restrict__ state, KV* __restrict__ kc, KV* __restrict__ vc,
-    long long tok_stride, long long head_stride, float scale, float* __restrict__ part_o,
-    float2* __restrict__ part_ml, int H, int neox) {
-    const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y, KVH = gridDim.y;
-    const int tid = threadIdx.x;
-    const int p = __ldg(state + 1), L = p + 1;
-    const int C = (L + S - 1) / S;
-    const int j0 = s * C, j1 = min(L, j0 + C);
-    const int h0 = kvh * G;
-    if (j0 <= p && p < j1) {                          // block-uniform
-        const size_t row = (size_t)p * tok_stride + (size_t)kvh * head_stride;
-        for (int i = tid; i < HD / 2; i += ATT_NT) {
-            const RopePair r = qkv_rope_pair(qkv, bias, rcos, rsin, p, H + kvh, i, HD, neox);
-            kv_store<sizeof(KV) == 2>(kc, row + r.a, r.o0);
-            kv_store<sizeof(KV) == 2>(kc, row + r.b, r.o1);
-        }
-        for (int d = tid; d < HD; d += ATT_NT)
-            kv_store<sizeof(KV) == 2>(vc, row + d, qkv_value(qkv, bias, H, KVH, HD, kvh * HD + d));
-        __syncthreads();                              // the row is visible to the block's loads
-    }
-    if (j0 < j1) {
-        const auto qf = [=](int i) {                  // element d of head h0 + g: its pair's rotation
-            const int d = i % HD, pair = neox ? d % (HD / 2) : d / 2;
-            const RopePair r = qkv_rope_pair(qkv, bias, rcos, rsin, p, h0 + i / HD, pair, HD, neox);
-            return d == r.a ? r.o0 : r.o1;
-        };
-        attn_split_tiles<HD, G, KV, false, false>(qf, kc, vc, tok_stride, head_stride, scale, part_o, part_ml,
-                                                  S, s, kvh, j0, j1);
-    } else if (tid < G) {
-        part_ml[(size_t)(h0 + tid) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
-    }
-}
-
-#define ATT_SPLIT_POST_INSTANCE(HD, G)                                                         \
-    extern "C" __global__ void __launch_bounds__(ATT_NT)                                       \
-    attn_split_post_h##HD##_g##G(const float* __restrict__ qkv, const float* __restrict__ bias, \
-                                 const float* __restrict__ rcos, const float* __restrict__ rsin, \
-                                 const int* __restrict__ state, u16* __restrict__ kc,          \
-                                 u16* __restrict__ vc, long long tok_stride,                   \
-                                 long long head_stride, float scale, float* __restrict__ part_o, \
-                                 float2* __restrict__ part_ml, int H, int neox) {              \
-        pdl_entry_trigger();                                                                   \
-        attn_split_post_body<HD, G, u16>(qkv, bias, rcos, rsin, state, kc, vc, tok_stride,     \
-                                         head_stride, scale, part_o, part_ml, H, neox);        \
-    }
-
-#define ATT_SPLIT_POST_G(G) ATT_SPLIT_POST_INSTANCE(64, G) ATT_SPLIT_POST_INSTANCE(128, G)
-ATT_SPLIT_POST_G(1)
-ATT_SPLIT_POST_G(2)
-ATT_SPLIT_POST_G(4)
-ATT_SPLIT_POST_G(6)
-ATT_SPLIT_POST_G(7)
-ATT_SPLIT_POST_G(8)
 
 // ---------------------------------------------------------------- combine (+ q8_1)
 
@@ -388,10 +311,9 @@ __device__ __forceinline__ void attn_split_varlen_body(
     const int C = (L + S - 1) / S;
     const int j0 = s * C, j1 = min(L, j0 + C);
     if (j0 < j1) {
-        const u16* q = Q + (size_t)rw.x * HD;
-        const auto qf = [=](int i) { return f16_to_f32(q[(size_t)(h0 + i / HD) * T * HD + i % HD]); };
-        attn_split_tiles<HD, G, u16, true>(qf, kc + (size_t)rw.z * HD, vc + (size_t)rw.z * HD, HD,
-                                           (long long)maxT * HD, 1.0f, po, pml, S, s, kvh, j0, j1);
+        attn_split_tiles<HD, G, u16, u16, true>(Q + (size_t)rw.x * HD, (long long)T * HD, kc + (size_t)rw.z * HD,
+                                                vc + (size_t)rw.z * HD, HD, (long long)maxT * HD, 1.0f, po, pml,
+                                                S, s, kvh, j0, j1);
     } else if (threadIdx.x < G) {
         pml[(size_t)(h0 + threadIdx.x) * S + s] = make_float2(ATT_NEG_INF, 0.0f);
     }

@@ -4,8 +4,6 @@
 // q8_1_warp: the q8_1 block of 32 values held one per lane of a warp (engine.quants.quantize_q8_1):
 //   d = amax / 127, q_i = amax == 0 ? 0 : roundf(x_i / d), s = d * sum(q) (integer sum, exact).
 // mmvq_epilogue: an MMVQ warp's R row sums -> y (store / add / swiglu).
-// qkv_rope_pair / qkv_value / kv_store: one decode token's bias + RoPE + K/V append, the
-// formulas of decode_fused.cu qkv_post, shared with attention_decode.cu's fused split.
 #pragma once
 
 #ifndef MMVQ_NW
@@ -65,42 +63,3 @@ __device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int
         else Y[n] += v;
     }
 }
-
-// ---------------------------------------------------------------- bias + RoPE + KV append
-
-// Pair i of head hh of qkv = [q | k | v] (float32 [H*HD + 2*KVH*HD]) plus bias (or null),
-// rotated at position p (tables cos / sin [max_pos, HD/2]): elements a, b (normal: 2i, 2i+1;
-// neox: i, i + HD/2) -> out0 = x0 c - x1 s, out1 = x0 s + x1 c (engine/reference.py apply_rope,
-// float32 rounding at every step).
-struct RopePair { int a, b; float o0, o1; };
-__device__ __forceinline__ RopePair qkv_rope_pair(const float* __restrict__ qkv, const float* __restrict__ bias,
-                                                  const float* __restrict__ rcos, const float* __restrict__ rsin,
-                                                  int p, int hh, int i, int HD, int neox) {
-    const int half = HD >> 1;
-    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const int base = hh * HD;
-    float x0 = qkv[base + a], x1 = qkv[base + b];
-    if (bias) {
-        x0 = __fadd_rn(x0, bias[base + a]);
-        x1 = __fadd_rn(x1, bias[base + b]);
-    }
-    const float c = rcos[(size_t)p * half + i], s = rsin[(size_t)p * half + i];
-    return {a, b, __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c))};
-}
-
-// Element e of v (e < KVH*HD) plus bias.
-__device__ __forceinline__ float qkv_value(const float* __restrict__ qkv, const float* __restrict__ bias,
-                                           int H, int KVH, int HD, int e) {
-    const int off = (H + KVH) * HD + e;
-    float v = qkv[off];
-    if (bias) v = __fadd_rn(v, bias[off]);
-    return v;
-}
-
-// A K/V cache element: float32, or f16 rounded to nearest even.
-template <bool F16>
-__device__ __forceinline__ void kv_store(void* base, size_t idx, float v) {
-    if (F16) reinterpret_cast<u16*>(base)[idx] = f32_to_f16_rn(v);
-    else reinterpret_cast<float*>(base)[idx] = v;
-}
-

@@ -126,7 +126,12 @@ quantize_row_q8(const float* __restrict__ x, i8* __restrict__ q, float2* __restr
 
 // ---------------------------------------------------------------- bias + RoPE + KV append
 
-// qkv_rope_pair, qkv_value, kv_store: decode_common.cuh.
+template <bool F16>
+__device__ __forceinline__ void kv_store(void* base, size_t idx, float v) {
+    if (F16) reinterpret_cast<u16*>(base)[idx] = f32_to_f16_rn(v);
+    else reinterpret_cast<float*>(base)[idx] = v;
+}
+
 template <bool F16>
 __device__ __forceinline__ void qkv_post_body(
     const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rcos,
@@ -138,20 +143,32 @@ __device__ __forceinline__ void qkv_post_body(
     const int npairs = (H + KVH) * half;
     const int p = __ldg(state + 1);
     if (t < npairs) {
-        const int hh = t / half;
-        const RopePair r = qkv_rope_pair(qkv, bias, rcos, rsin, p, hh, t % half, HD, neox);
+        const int hh = t / half, i = t % half;
+        const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const int base = hh * HD;
+        float x0 = qkv[base + a], x1 = qkv[base + b];
+        if (bias) {
+            x0 = __fadd_rn(x0, bias[base + a]);
+            x1 = __fadd_rn(x1, bias[base + b]);
+        }
+        const float c = rcos[(size_t)p * half + i], s = rsin[(size_t)p * half + i];
+        const float o0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        const float o1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
         if (hh < H) {
-            qrot[hh * HD + r.a] = r.o0;
-            qrot[hh * HD + r.b] = r.o1;
+            qrot[base + a] = o0;
+            qrot[base + b] = o1;
         } else {
             const size_t kb = (size_t)p * tok_stride + (size_t)(hh - H) * head_stride;
-            kv_store<F16>(kc, kb + r.a, r.o0);
-            kv_store<F16>(kc, kb + r.b, r.o1);
+            kv_store<F16>(kc, kb + a, o0);
+            kv_store<F16>(kc, kb + b, o1);
         }
     } else if (t < npairs + KVH * HD) {
         const int e = t - npairs;
+        const int off = (H + KVH) * HD + e;
+        float v = qkv[off];
+        if (bias) v = __fadd_rn(v, bias[off]);
         const size_t vb = (size_t)p * tok_stride + (size_t)(e / HD) * head_stride + (e % HD);
-        kv_store<F16>(vc, vb, qkv_value(qkv, bias, H, KVH, HD, e));
+        kv_store<F16>(vc, vb, v);
     }
 }
 

@@ -271,6 +271,7 @@ step_defines() {
   if [ -f "$OUT/test_groups.txt" ]; then      # a form whose GPU tests failed or hung is not timed
     DEFINE_SETS="$(python3 -m dev.ab_bench --keep-tested "$OUT/test_groups.txt" --sets "$DEFINE_SETS")" || return 1
   fi
+  [ "${DEFINE_ATTN:-1}" = 0 ] ||                # DEFINE_ATTN=0: no attention rows (GEMM-only defines)
   timeout "${ATTN_TIMEOUT:-150}" python3 -m dev.attn_bench --reps "${ATTN_REPS:-5}" --variants wgmma \
       --cases "${ATTN_CASES:-4096@4096,3314@0,4096@0}" --heads "${ATTN_HEADS:-32/32,28/4}" \
       --defines "${DEFINE_SETS:-}" --json "$OUT/attn_defines.json" 2>&1 | tee "$OUT/attn_defines.log" || rc=1

@@ -578,20 +578,6 @@ def test_decode_logits_match_reference(cp, rng, which, tiny_path, tiny_qwen2_pat
     assert agree[margin >= MIN_MARGIN].all()
 
 
-@pytest.mark.parametrize("which", ["tiny", "tiny-qwen2"])
-def test_decode_post_fused_same_bits(cp, rng, monkeypatch, which, tiny_path, tiny_qwen2_path):
-    """DEC_POST_FUSED (decode_fused.cu qkv_post inside the attention split, attn_split_post) gives
-    the unfused step's logits bit for bit at every step, so the K/V rows it writes (read by the
-    later steps) are the same too; tiny-qwen2 has the q/k/v bias and neox RoPE."""
-    path = tiny_path if which == "tiny" else tiny_qwen2_path
-    model = _gpu_model(path)
-    ids = rng.integers(0, model.config.vocab_size - 3, 6 if EMU else 70).tolist()
-    base = _step_logits(model, ids, use_graph=True)
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "DEC_POST_FUSED=1")
-    fused = _step_logits(model, ids, use_graph=True)
-    assert np.array_equal(fused.view(np.uint32), base.view(np.uint32))
-
-
 def _golden_cases(name):
     from engine.tools import greedy32
 
@@ -757,9 +743,8 @@ def test_session_steps_match_prefill(cp, rng, tiny_qwen2_path):
 
 def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
     """One decode step launches exactly the production kernels (per layer: the q/k/v GEMVs by
-    layout runs, qkv_post (none under DEC_POST_FUSED), attention split + combine, Wo add,
-    rmsnorm, gate/up swiglu, q8_1 row, down add, rmsnorm; then output GEMV + argmax), and
-    bench_decode's tg rows run."""
+    layout runs, qkv_post, attention split + combine, Wo add, rmsnorm, gate/up swiglu, q8_1 row,
+    down add, rmsnorm; then output GEMV + argmax), and bench_decode's tg rows run."""
     from engine.gpu import kernels
     from engine.gpu.decode import DecodeStep, bench_decode, same_launch
     from engine.gpu.ops.mmvq import mixes
@@ -782,8 +767,7 @@ def test_step_launches_and_bench(cp, tiny_qwen2_path, monkeypatch):
         runs = 1 + (not same_launch(W["attn_q"], W["attn_k"])) + (not same_launch(W["attn_k"], W["attn_v"]))
         if runs == 2 and mixes([W["attn_q"], W["attn_k"], W["attn_v"]]):
             runs = 1                                             # mmvq_mixed: q4_K and q6_K in one launch
-        post = 0 if step.post_fused else 1                      # DEC_POST_FUSED: in the split
-        want += runs + post + 2 + 1 + 1 + (1 if same_launch(W["ffn_gate"], W["ffn_up"]) else 3) + 1 + 1 + 1
+        want += runs + 1 + 2 + 1 + 1 + (1 if same_launch(W["ffn_gate"], W["ffn_up"]) else 3) + 1 + 1 + 1
     assert len(names) == want, names
     assert "mmvq_mixed_pad_store" in names       # the tiny model mixes q4_K and q6_K in some layers
     assert names[-1] == "argmax_step" and not any("addnorm" in n or "_u2" in n or "_r2" in n for n in names)

@@ -8,8 +8,7 @@ A decode step (one token at position p = the cache length before it) is:
         a = q8_1(rmsnorm(x) * attn_norm)               decode_fused.cu  rmsnorm_q8
         qkv = [Wq; Wk; Wv] a                           mmvq_q4_k.cu / mmvq_q6_k.cu (store; one launch,
                                                        mmvq_mixed.cu where q4_K and q6_K mix)
-        q, K[p], V[p] = rope(qkv + bias)               decode_fused.cu  qkv_post_f16 (DEC_POST_FUSED: in
-                                                       the attention split, attn_split_post)
+        q, K[p], V[p] = rope(qkv + bias)               decode_fused.cu  qkv_post_f16
         o = attention(q, K[0..p], V[0..p])             attention_decode.cu split + combine (-> q8_1)
         x += Wo o                                      mmvq (add)
         a = q8_1(rmsnorm(x) * ffn_norm)                rmsnorm_q8
@@ -43,7 +42,7 @@ import numpy as np
 from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
-from engine.gpu.ops.attention import attention_launch, attention_post_launch, attention_splits
+from engine.gpu.ops.attention import attention_launch, attention_splits
 from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
@@ -87,9 +86,6 @@ class DecodeStep:
         cfg = self.cfg = model.config
         self.max_tokens = int(cache.capacity)
         self.n_split = attention_splits(self.max_tokens, cfg.n_kv_heads)
-        # qkv_post fused into the attention split (attention_decode.cu attn_split_post, f16 cache):
-        # the DEC_POST_FUSED define (an A/B form, one launch fewer per layer)
-        self.post_fused = bool(kernels.define_value("DEC_POST_FUSED", 0)) and cache.dtype == "f16"
         d, qd, kvd, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
         f32 = np.float32
         self.io = cp.zeros(8, dtype=np.int32)           # state [0:4], best [4]
@@ -163,18 +159,13 @@ class DecodeStep:
                 for ws, outs in groups:
                     mmvq_launch(ws, outs, self.act_d.q, self.act_d.ds, "store")
             kl, vl = cache.k_layer(i), cache.v_layer(i)
-            if self.post_fused:
-                attention_post_launch(self.qkv, L.qkv_bias, self.rcos, self.rsin, self.state, kl, vl, ts, hs,
-                                      cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_type == "neox",
-                                      self.n_split, self.part_o, self.part_ml, self.act_q.q, self.act_q.ds)
-            else:
-                post((-(-n_post // 256),), (256,), (
-                    self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
-                    self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
-                    np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
-                attention_launch(self.qrot, kl, vl, ts, hs, self.state[1:2], cfg.n_heads, cfg.n_kv_heads,
-                                 cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
-                                 self.act_q.q, self.act_q.ds)
+            post((-(-n_post // 256),), (256,), (
+                self.qkv, L.qkv_bias if L.qkv_bias is not None else _null(), self.rcos, self.rsin,
+                self.state, self.qrot, kl, vl, np.int64(ts), np.int64(hs), np.int32(cfg.n_heads),
+                np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.rope_type == "neox")))
+            attention_launch(self.qrot, kl, vl, ts, hs, self.state[1:2], cfg.n_heads, cfg.n_kv_heads,
+                             cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
+                             self.act_q.q, self.act_q.ds)
             mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add")
             norm(L.ffn_norm)
             if same_launch(W["ffn_gate"], W["ffn_up"]):

@@ -206,11 +206,10 @@ WGMMA_WIDE_TILES = 80
 WGMMA_SPLIT_BLOCKS = 3 * WGMMA_WAVE_SMS // 2
 
 
-def wgmma_config(T: int, N: int, K: int, split_blocks: int = WGMMA_SPLIT_BLOCKS,
-                 max_kp: int = WGMMA_KPS[-1]) -> tuple[int, int]:
-    """(BT, KP) of the production launch for T tokens of an N x K matrix; split_blocks and max_kp
-    other than the defaults are A/B measurements (engine.gpu.ops.wgmma: defines WG_SPLIT_BLOCKS,
-    WG_MAX_KP)."""
+def wgmma_config(T: int, N: int, K: int, kp8_min_sb: int = 0) -> tuple[int, int]:
+    """(BT, KP) of the production launch for T tokens of an N x K matrix. kp8_min_sb > 0 (an A/B
+    measurement: engine.gpu.ops.wgmma's define WG_KP8_MIN_SB) takes a 4-part split to 8 parts
+    where K has at least that many super-blocks and the 8-part blocks fit two per SM."""
     tiles = N // 128
     if T > 128:
         tiles_256 = -(-T // 256) * tiles
@@ -221,8 +220,10 @@ def wgmma_config(T: int, N: int, K: int, split_blocks: int = WGMMA_SPLIT_BLOCKS,
     bt = min(bt, 64)
     blocks = -(-T // bt) * tiles
     kp = 1
-    while 2 * kp <= max_kp and blocks * 2 * kp <= split_blocks and 2 * kp <= K // 256:
+    while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_SPLIT_BLOCKS and 2 * kp <= K // 256:
         kp *= 2
+    if kp8_min_sb and kp == 4 and K // 256 >= kp8_min_sb and blocks * 8 <= 2 * WGMMA_WAVE_SMS:
+        kp = 8
     return bt, kp
 
 
@@ -287,11 +288,6 @@ def mmvq_mixed_name(padded: bool = True) -> str:
 
 def attn_split_name(head_dim: int, group: int, kv_dtype: str) -> str:
     return f"attn_split_h{head_dim}_g{group}_{kv_dtype}"
-
-
-def attn_split_post_name(head_dim: int, group: int) -> str:
-    """The split with decode_fused.cu qkv_post fused in (f16 cache; DEC_POST_FUSED)."""
-    return f"attn_split_post_h{head_dim}_g{group}"
 
 
 def attn_combine_name(head_dim: int) -> str:
@@ -359,8 +355,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS
                                  for t in KV_DTYPES) + tuple(attn_combine_name(h) for h in ATTN_HEAD_DIMS)
     + tuple(attn_split_varlen_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS)
-    + tuple(attn_combine_varlen_name(h) for h in ATTN_HEAD_DIMS)
-    + tuple(attn_split_post_name(h, g) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS),   # A/B: DEC_POST_FUSED
+    + tuple(attn_combine_varlen_name(h) for h in ATTN_HEAD_DIMS),
     "argmax.cu": ("argmax_step", "argmax_rows"),
     "gather_rows.cu": ("gather_add_rows",),
     "follow_tokens.cu": ("record_last", "resolve_follow"),

@@ -306,42 +306,19 @@ def attention_splits(max_tokens: int, n_kv_heads: int, n_sm: int | None = None) 
     return max(1, min(-(-max_tokens // ATT_TK), -(-4 * n_sm // n_kv_heads)))
 
 
-def _decode_group(n_heads: int, n_kv_heads: int, head_dim: int) -> int:
-    group = n_heads // n_kv_heads
-    if group not in registry.ATTN_GROUPS or head_dim not in registry.ATTN_HEAD_DIMS:
-        raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
-                        f"is not compiled (groups {registry.ATTN_GROUPS}, head sizes {registry.ATTN_HEAD_DIMS})")
-    return group
-
-
 def attention_launch(q, k_layer, v_layer, tok_stride: int, head_stride: int, pos_dev,
                      n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_split: int,
                      part_o, part_ml, oq, ods, out=None) -> None:
     """Decode attention of q [H, hd] (float32) over keys 0..pos (pos read on the device):
     split kernel, then combine kernel; writes q8_1 (oq, ods) and, if given, float32 `out`."""
-    group = _decode_group(n_heads, n_kv_heads, head_dim)
+    group = n_heads // n_kv_heads
+    if group not in registry.ATTN_GROUPS or head_dim not in registry.ATTN_HEAD_DIMS:
+        raise GGUFError(f"decode attention: {n_heads} heads / {n_kv_heads} KV heads, head size {head_dim} "
+                        f"is not compiled (groups {registry.ATTN_GROUPS}, head sizes {registry.ATTN_HEAD_DIMS})")
     scale = np.float32(1.0 / np.sqrt(head_dim))
+    o = out if out is not None else null()
     ks = kernels.get_kernel("attention_decode.cu", registry.attn_split_name(head_dim, group, kv_dtype))
     ks((n_split, n_kv_heads), (128,), (q, k_layer, v_layer, np.int64(tok_stride), np.int64(head_stride),
                                        pos_dev, scale, part_o, part_ml))
-    _combine(n_heads, head_dim, n_split, part_o, part_ml, oq, ods, out)
-
-
-def attention_post_launch(qkv, bias, rcos, rsin, state, k_layer, v_layer, tok_stride: int, head_stride: int,
-                          n_heads: int, n_kv_heads: int, head_dim: int, neox: bool, n_split: int,
-                          part_o, part_ml, oq, ods, out=None) -> None:
-    """attention_launch with decode_fused.cu qkv_post fused into the split (attn_split_post, f16
-    cache): qkv float32 [H*hd + 2*KVH*hd] straight from the q / k / v GEMV, bias (or None), the
-    RoPE tables and the step state (position at state[1]); writes K[p], V[p] into the cache too."""
-    group = _decode_group(n_heads, n_kv_heads, head_dim)
-    scale = np.float32(1.0 / np.sqrt(head_dim))
-    ks = kernels.get_kernel("attention_decode.cu", registry.attn_split_post_name(head_dim, group))
-    ks((n_split, n_kv_heads), (128,), (qkv, bias if bias is not None else null(), rcos, rsin, state, k_layer,
-                                       v_layer, np.int64(tok_stride), np.int64(head_stride), scale, part_o,
-                                       part_ml, np.int32(n_heads), np.int32(bool(neox))))
-    _combine(n_heads, head_dim, n_split, part_o, part_ml, oq, ods, out)
-
-
-def _combine(n_heads, head_dim, n_split, part_o, part_ml, oq, ods, out) -> None:
     kc = kernels.get_kernel("attention_decode.cu", registry.attn_combine_name(head_dim))
-    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), out if out is not None else null(), oq, ods))
+    kc((n_heads,), (head_dim,), (part_o, part_ml, np.int32(n_split), o, oq, ods))
