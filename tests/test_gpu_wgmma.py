@@ -68,6 +68,7 @@ SPLIT_CASES = [
     (100, 256, 1024, 128, 4, 2),
     (96, 128, 1024, 32, 4, 2),     # three token tiles, each split
     (32, 1024, 4096, None, None, None),   # the production choice (registry.wgmma_config)
+    (32, 256, 14336, None, None, None),   # the production choice: 8 parts of 7 super-blocks
 ]
 
 

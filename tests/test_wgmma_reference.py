@@ -281,21 +281,25 @@ def test_q6_k_kernel_fragments_replayed_match_the_oracle():
 
 
 def test_wgmma_config_choices():
-    """registry.wgmma_config reproduces the Session 13 and 15 hopper_bench winners (H200, T = 32 /
+    """registry.wgmma_config reproduces the Session 13, 15 and 24 hopper_bench winners (T = 32 /
     64 / 128; the q4_K + q6_K pairs by their rows together): K split to about 1.5 blocks per SM at
-    T <= 64, wide matrices unsplit in one 128-token tile at T = 65..128, and every choice is a
-    compiled production instance."""
+    T <= 64 (8 parts, two per SM, for a long K), wide matrices unsplit in one 128-token tile at
+    T = 65..128, and every choice is a compiled production instance."""
     from engine.gpu import registry
 
     cases = {(32, 4096, 4096): (32, 4), (32, 22016, 4096): (32, 1), (32, 11008, 4096): (32, 2),
              (64, 4096, 4096): (64, 4), (64, 12288, 4096): (64, 2), (128, 4096, 11008): (64, 2),
              (128, 22016, 4096): (128, 1), (3314, 4096, 4096): (256, 1), (512, 4096, 4096): (128, 1),
              (32, 2048, 1536): (32, 4), (32, 8192 + 4096, 4096): (32, 2), (32, 5120 + 1024, 4096): (32, 4),
-             (32, 4096 + 512, 3584): (32, 4), (128, 5120 + 1024, 4096): (64, 2), (128, 12288, 4096): (128, 1)}
+             (32, 4096 + 512, 3584): (32, 4), (128, 5120 + 1024, 4096): (64, 2), (128, 12288, 4096): (128, 1),
+             # a long K in 8 parts where they fit two blocks per SM (Session 24)
+             (32, 4096, 14336): (32, 8), (64, 3584, 18944): (64, 8), (32, 4096, 11008): (32, 4),
+             (128, 4096, 14336): (64, 2), (32, 22016, 14336): (32, 1)}
     for (T, N, K), want in cases.items():
         assert registry.wgmma_config(T, N, K) == want, (T, N, K)
     for T in range(registry.WGMMA_MIN_TOKENS, 300):
-        for N, K in ((4096, 4096), (4096, 11008), (11008, 4096), (32000, 4096), (1536, 8960), (256, 512)):
+        for N, K in ((4096, 4096), (4096, 11008), (11008, 4096), (32000, 4096), (1536, 8960), (256, 512),
+                     (4096, 14336), (3584, 18944)):
             bt, kp = registry.wgmma_config(T, N, K)
             assert (bt, kp) in registry.WGMMA_LAUNCHED and kp <= K // 256
 

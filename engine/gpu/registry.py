@@ -204,12 +204,14 @@ WGMMA_STAGES = 4
 WGMMA_WAVE_SMS = 132
 WGMMA_WIDE_TILES = 80
 WGMMA_SPLIT_BLOCKS = 3 * WGMMA_WAVE_SMS // 2
+# A long K (the down matrices of llama3-8b, 14336, and qwen2-7b, 18944) splits in 8 parts where
+# 4 would leave a block per SM and 8 fit two (perf-log Session 24: T = 32 1.08-1.22x, T = 64
+# 1.04-1.17x per GEMM; 43 super-blocks (11008) tie, 16 (4096) lose).
+WGMMA_KP8_MIN_SB = 48
 
 
-def wgmma_config(T: int, N: int, K: int, kp8_min_sb: int = 0) -> tuple[int, int]:
-    """(BT, KP) of the production launch for T tokens of an N x K matrix. kp8_min_sb > 0 (an A/B
-    measurement: engine.gpu.ops.wgmma's define WG_KP8_MIN_SB) takes a 4-part split to 8 parts
-    where K has at least that many super-blocks and the 8-part blocks fit two per SM."""
+def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
+    """(BT, KP) of the production launch for T tokens of an N x K matrix."""
     tiles = N // 128
     if T > 128:
         tiles_256 = -(-T // 256) * tiles
@@ -222,7 +224,7 @@ def wgmma_config(T: int, N: int, K: int, kp8_min_sb: int = 0) -> tuple[int, int]
     kp = 1
     while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_SPLIT_BLOCKS and 2 * kp <= K // 256:
         kp *= 2
-    if kp8_min_sb and kp == 4 and K // 256 >= kp8_min_sb and blocks * 8 <= 2 * WGMMA_WAVE_SMS:
+    if kp == 4 and K // 256 >= WGMMA_KP8_MIN_SB and blocks * 8 <= 2 * WGMMA_WAVE_SMS:
         kp = 8
     return bt, kp
 
@@ -254,8 +256,9 @@ def wgmma_pair_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: i
     return _wgmma_name("wgmma_pair", "true, " if padded else "false, ", bt, stages, kp)
 
 
-# (BT, KP) of every instance wgmma_config can return (KP = 8 compiles on demand for measurements).
-WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS) + ((128, 1), (256, 1))
+# (BT, KP) of every instance wgmma_config can return (the pairs' K, d_model, never reaches KP 8's).
+WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS + (8,)) + ((128, 1), (256, 1))
+WGMMA_PAIR_LAUNCHED = tuple(c for c in WGMMA_LAUNCHED if c[1] < 8)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -344,7 +347,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
     "wgmma_q4_k.cu": tuple(wgmma_instance(bt, kp=kp) for bt, kp in WGMMA_LAUNCHED),
     "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
-    "wgmma_pair.cu": tuple(wgmma_pair_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
+    "wgmma_pair.cu": tuple(wgmma_pair_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_PAIR_LAUNCHED),
     "wgmma_act.cu": ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",

@@ -75,7 +75,7 @@ def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None,
     """(bt, stages, kp, dynamic shared bytes) of a launch over N rows: the production choice
     (registry.wgmma_config) where bt is None; a given bt runs unsplit unless kp says."""
     if bt is None:
-        bt, auto_kp = registry.wgmma_config(T, N, K, kernels.define_value("WG_KP8_MIN_SB", 0))
+        bt, auto_kp = registry.wgmma_config(T, N, K)
         kp = kp or auto_kp
     kp = kp or 1
     stages = stages or registry.WGMMA_STAGES
