@@ -1,7 +1,7 @@
 """Machine-code identity of kernel instances across two trees, on the CPU (no GPU).
 
 Compiles kernel instances with NVRTC exactly as engine.gpu.kernels.compile_for_check does (same
-source assembly and options, -arch=sm_90) and records, per instance, the sha256 of its SASS (the
+source assembly and options, -arch=sm_90, sm_90a for the wgmma files) and records, per instance, the sha256 of its SASS (the
 cubin's .text.<lowered name> section) and of its parameter bank size. Two dumps of the same
 instance that agree ran the very same machine code: a refactor of the kernel sources (a header
 moved, an unused arm removed, a kernel renamed) that keeps every production hash is bit-identical
@@ -49,7 +49,8 @@ def dump(only: set[tuple[str, str]] | None) -> dict[str, dict]:
         try:
             for n in names:
                 nvrtc.addNameExpression(prog, n)
-            opts = kernels.OPTIONS + kernels.CUPY_ADDED_OPTIONS + ("-arch=sm_90",)
+            arch = "sm_90a" if fname in kernels.SM90A_FILES else "sm_90"     # wgmma needs sm_90a
+            opts = kernels.OPTIONS + kernels.CUPY_ADDED_OPTIONS + (f"-arch={arch}",)
             try:
                 nvrtc.compileProgram(prog, list(opts))
             except Exception as e:

@@ -20,7 +20,7 @@
 
 struct WgQ4K {
 static constexpr int BLOCK_BYTES = 144;
-enum { PF = 0 };                                       // no per-stage part: the super-block streams in
+enum { PF = 0, ASYNC = 0 };                                       // no per-stage part: the super-block streams in
 struct St {};                                          // Sb (an enum: a static constexpr adds a .global)
 
 // One super-block of a lane's two rows: the 16-byte header and the 32 qs bytes of chunk t.
