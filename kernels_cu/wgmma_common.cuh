@@ -63,10 +63,19 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
 
 
 
-// 8 bytes global -> shared (the weight policies' ASYNC rings; cached in L1 as __ldg is), and
-// their read back.
+// Global -> shared copies of the weight policies' rings (ST_ASYNC 8 bytes, cached in L1 as
+// __ldg is: a q6_K piece serves two lanes; SB_ASYNC 16 bytes), and their read back.
 __device__ __forceinline__ void wg_cp_async8(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void wg_cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ uint4 wg_lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr) : "memory");
+    return v;
 }
 __device__ __forceinline__ uint2 wg_lds64(u32 addr) {
     uint2 v;
@@ -121,8 +130,8 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, 
 
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
 // the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
-// them after the K loop), then one 8-byte mbarrier per stage, then (a policy with ASYNC, from the
-// next 16-byte boundary) its ring of PF + 1 slots of WT::SLOT_BYTES.
+// them after the K loop), then one 8-byte mbarrier per stage, then (a policy with ST_ASYNC or SB_ASYNC, from the
+// next 16-byte boundary) its ring: slots of WT::SLOT_BYTES, PF + 1 (ST_ASYNC) or SB_ASYNC + 1.
 template <int BT, int STAGES, int KP>
 constexpr u32 wg_stage_area() {
     return (KP > 1 && BT * 512 > STAGES * BT * WG_BK * 2) ? BT * 512 : STAGES * BT * WG_BK * 2;
@@ -178,16 +187,25 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 #pragma unroll
         for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
 
+    const u32 ring = s0 + wg_ring_offset<BT, STAGES, KP>() + threadIdx.x * WT::RING_UNIT;
     typename WT::Sb cur, nxt;
-    WT::load(cur, r0, r1, sb0, t);                // nst >= 4: the host keeps KP <= K / 256
+    constexpr u32 SB_SLOTS = WT::SB_ASYNC + 1;    // SB_ASYNC: super-block i (local) in slot i % SB_SLOTS
+    if constexpr (WT::SB_ASYNC) {
+#pragma unroll
+        for (int p = 0; p < WT::SB_ASYNC; ++p) {
+            if (sb0 + p < sb1) WT::copy_sb(ring + p * WT::SLOT_BYTES, r0, r1, sb0 + p, t);
+            cp_async_commit();
+        }
+    } else {
+        WT::load(cur, r0, r1, sb0, t);            // nst >= 4: the host keeps KP <= K / 256
+    }
     constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
     static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
     typename WT::St st[NSLOT];
-    // ASYNC: thread x's ring (slot i at ring + i * SLOT_BYTES); stage l in slot l % (PF + 1), so
+    // ST_ASYNC: thread x's ring (slot i at ring + i * SLOT_BYTES); stage l in slot l % (PF + 1), so
     // the slot refilled at stage l is the one read at stage l - 1; one commit group per stage.
     constexpr u32 RING_SLOTS = WT::PF + 1;
-    const u32 ring = s0 + wg_ring_offset<BT, STAGES, KP>() + threadIdx.x * 8;
-    if constexpr (WT::ASYNC) {
+    if constexpr (WT::ST_ASYNC) {
 #pragma unroll
         for (int p = 0; p < WT::PF; ++p) {
             WT::copy_stage(ring + p * WT::SLOT_BYTES, r0, r1, j0 + p, t);
@@ -200,14 +218,23 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     typename WT::Sc sc;
     u32 a[4][4];
     for (int sb = sb0; sb < sb1; ++sb) {
-        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
+        if constexpr (WT::SB_ASYNC) {
+            const u32 i = (u32)(sb - sb0);
+            cp_async_wait<WT::SB_ASYNC - 1>();         // super-block i's group (the newer may fly)
+            WT::read_sb(cur, ring + (i % SB_SLOTS) * WT::SLOT_BYTES);
+            if (sb + WT::SB_ASYNC < sb1)               // into the slot read at super-block i - 1
+                WT::copy_sb(ring + ((i + WT::SB_ASYNC) % SB_SLOTS) * WT::SLOT_BYTES, r0, r1, sb + WT::SB_ASYNC, t);
+            cp_async_commit();
+        } else if (sb + 1 < sb1) {
+            WT::load(nxt, r0, r1, sb + 1, t);
+        }
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;                                  // global stage
             const u32 l = (u32)(j - j0), buf = l % STAGES;              // local stage, its buffer
             mbar_wait(bars + 8 * buf, (l / STAGES) & 1);                // stage l landed
-            if constexpr (WT::ASYNC) {
+            if constexpr (WT::ST_ASYNC) {
                 cp_async_wait<WT::PF - 1>();           // stage l's group (PF - 1 newer may fly)
                 WT::read_stage(st[0], ring + (l % RING_SLOTS) * WT::SLOT_BYTES);
                 WT::frags(a, cur, st[0], jj, sc, t);
@@ -231,7 +258,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
             }
         }
-        cur = nxt;
+        if constexpr (!WT::SB_ASYNC) cur = nxt;
     }
     wg_wait<0>();
 

@@ -25,7 +25,7 @@
 #include "f16x2.cuh"
 #ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
-#else
+#elif !defined(WG_THREADS)
 #define WG_THREADS 256                 // wgmma_common.cuh's block size (the ASYNC ring's layout)
 #endif
 
@@ -42,10 +42,10 @@
 template <bool PADDED, int PF_, bool ASYNC_ = false>
 struct WgQ6K {
 static_assert(PADDED || !ASYNC_, "ASYNC: 8-byte copies need the padded blocks");
-enum { BLOCK_BYTES = PADDED ? 224 : 210, PF = PF_, ASYNC = ASYNC_ };
+enum { BLOCK_BYTES = PADDED ? 224 : 210, PF = PF_, ST_ASYNC = ASYNC_, SB_ASYNC = 0 };
 // ASYNC: one ring slot = the 6 pieces (row r, run k) of the block's 256 threads, 8 bytes each;
 // thread x's piece (r, k) at slot + (3 r + k) * PIECE_STRIDE + 8 x.
-enum { PIECE_STRIDE = WG_THREADS * 8, SLOT_BYTES = 6 * WG_THREADS * 8 };
+enum { RING_UNIT = 8, PIECE_STRIDE = WG_THREADS * 8, SLOT_BYTES = 6 * WG_THREADS * 8 };
 
 // Per super-block (one ahead): row r's scale word sc[4t .. 4t + 3] and d (f16 bits).
 struct Sb {
