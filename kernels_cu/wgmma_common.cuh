@@ -63,26 +63,6 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
 
 
 
-// Global -> shared copies of the weight policies' rings (ST_ASYNC 8 bytes, cached in L1 as
-// __ldg is: a q6_K piece serves two lanes; SB_ASYNC 16 bytes), and their read back.
-__device__ __forceinline__ void wg_cp_async8(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void wg_cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ uint4 wg_lds128(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint2 wg_lds64(u32 addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-    return v;
-}
-
 // Tokens per wgmma (BN) and wgmmas per k16 step (NH) of a BT-token tile.
 template <int BT>
 struct WgTile {
@@ -130,14 +110,11 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, 
 
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
 // the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
-// them after the K loop), then one 8-byte mbarrier per stage, then (a policy with ST_ASYNC or SB_ASYNC, from the
-// next 16-byte boundary) its ring: slots of WT::SLOT_BYTES, PF + 1 (ST_ASYNC) or SB_ASYNC + 1.
+// them after the K loop), then one 8-byte mbarrier per stage.
 template <int BT, int STAGES, int KP>
 constexpr u32 wg_stage_area() {
     return (KP > 1 && BT * 512 > STAGES * BT * WG_BK * 2) ? BT * 512 : STAGES * BT * WG_BK * 2;
 }
-template <int BT, int STAGES, int KP>
-constexpr u32 wg_ring_offset() { return (wg_stage_area<BT, STAGES, KP>() + 8 * STAGES + 15) & ~15u; }
 
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
 // it after pdl_entry(), tile = blockIdx.y, or a tile of one of two matrices: wgmma_pair.cu). KP = 1: the
@@ -187,65 +164,28 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 #pragma unroll
         for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
 
-    const u32 ring = s0 + wg_ring_offset<BT, STAGES, KP>() + threadIdx.x * WT::RING_UNIT;
     typename WT::Sb cur, nxt;
-    constexpr u32 SB_SLOTS = WT::SB_ASYNC + 1;    // SB_ASYNC: super-block i (local) in slot i % SB_SLOTS
-    if constexpr (WT::SB_ASYNC) {
-#pragma unroll
-        for (int p = 0; p < WT::SB_ASYNC; ++p) {
-            if (sb0 + p < sb1) WT::copy_sb(ring + p * WT::SLOT_BYTES, r0, r1, sb0 + p, t);
-            cp_async_commit();
-        }
-    } else {
-        WT::load(cur, r0, r1, sb0, t);            // nst >= 4: the host keeps KP <= K / 256
-    }
+    WT::load(cur, r0, r1, sb0, t);                // nst >= 4: the host keeps KP <= K / 256
     constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
     static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
     typename WT::St st[NSLOT];
-    // ST_ASYNC: thread x's ring (slot i at ring + i * SLOT_BYTES); stage l in slot l % (PF + 1), so
-    // the slot refilled at stage l is the one read at stage l - 1; one commit group per stage.
-    constexpr u32 RING_SLOTS = WT::PF + 1;
-    if constexpr (WT::ST_ASYNC) {
-#pragma unroll
-        for (int p = 0; p < WT::PF; ++p) {
-            WT::copy_stage(ring + p * WT::SLOT_BYTES, r0, r1, j0 + p, t);
-            cp_async_commit();
-        }
-    } else if constexpr (WT::PF > 0) {
+    if constexpr (WT::PF > 0) {
 #pragma unroll
         for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, j0 + p, t);   // PF <= 4 <= nst
     }
     typename WT::Sc sc;
     u32 a[4][4];
     for (int sb = sb0; sb < sb1; ++sb) {
-        if constexpr (WT::SB_ASYNC) {
-            const u32 i = (u32)(sb - sb0);
-            cp_async_wait<WT::SB_ASYNC - 1>();         // super-block i's group (the newer may fly)
-            WT::read_sb(cur, ring + (i % SB_SLOTS) * WT::SLOT_BYTES);
-            if (sb + WT::SB_ASYNC < sb1)               // into the slot read at super-block i - 1
-                WT::copy_sb(ring + ((i + WT::SB_ASYNC) % SB_SLOTS) * WT::SLOT_BYTES, r0, r1, sb + WT::SB_ASYNC, t);
-            cp_async_commit();
-        } else if (sb + 1 < sb1) {
-            WT::load(nxt, r0, r1, sb + 1, t);
-        }
+        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;                                  // global stage
             const u32 l = (u32)(j - j0), buf = l % STAGES;              // local stage, its buffer
             mbar_wait(bars + 8 * buf, (l / STAGES) & 1);                // stage l landed
-            if constexpr (WT::ST_ASYNC) {
-                cp_async_wait<WT::PF - 1>();           // stage l's group (PF - 1 newer may fly)
-                WT::read_stage(st[0], ring + (l % RING_SLOTS) * WT::SLOT_BYTES);
-                WT::frags(a, cur, st[0], jj, sc, t);
-                if (l + WT::PF < (u32)nst)
-                    WT::copy_stage(ring + ((l + WT::PF) % RING_SLOTS) * WT::SLOT_BYTES, r0, r1, j + WT::PF, t);
-                cp_async_commit();                     // empty past the last stage: the count stays
-            } else {
-                WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
-                if constexpr (WT::PF > 0) {            // the slot is free: stage j + PF into it
-                    if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
-                }
+            WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
+            if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
+                if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
             }
             wg_fence();
             wg_issue_stage<BT>(acc, a, wg_desc_add(desc0, buf * STAGE_BYTES));
@@ -258,7 +198,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
             }
         }
-        if constexpr (!WT::SB_ASYNC) cur = nxt;
+        cur = nxt;
     }
     wg_wait<0>();
 

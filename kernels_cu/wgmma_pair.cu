@@ -18,9 +18,9 @@ __device__ __forceinline__ void wgmma_pair_block(const u8* __restrict__ Wa, floa
                                                  const u8* __restrict__ Xt, int T, int K) {
     const int tiles_a = Na / WG_ROWS;
     if ((int)blockIdx.y < tiles_a)
-        wgmma_gemm<WgQ4KAt, BT, STAGES, KP>(Wa, Xt, Ya, T, Na, K, blockIdx.y);
+        wgmma_gemm<WgQ4K, BT, STAGES, KP>(Wa, Xt, Ya, T, Na, K, blockIdx.y);
     else
-        wgmma_gemm<WgQ6KAt<PADDED, BT>, BT, STAGES, KP>(Wb, Xt, Yb, T, Nb, K, blockIdx.y - tiles_a);
+        wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(Wb, Xt, Yb, T, Nb, K, blockIdx.y - tiles_a);
 }
 
 // Two blocks per SM where both bodies fit them alone (padded q6_K, BT <= 64: 128 registers at

@@ -13,25 +13,14 @@
 #include "f16x2.cuh"
 #ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
-#elif !defined(WG_THREADS)
-#define WG_THREADS 256                 // wgmma_common.cuh's block size (the SB_ASYNC ring's layout)
 #endif
 
 #define H2_1_16 0x2C002C00u            // (1/16, 1/16)
 #define H2_M64 0xD400D400u             // (-64, -64)
 
-// SB_AHEAD > 0 (the A/B define WG_Q4_ASYNC; WG_Q4_AHEAD, default 2): the super-blocks stream
-// through a per-thread ring of SB_AHEAD + 1 shared-memory slots by 16-byte cp.async (copy_sb),
-// read back at the super-block's start (read_sb), SB_AHEAD of them in flight with a partial wait
-// (cp.async.wait_group SB_AHEAD - 1) where the register loads, one super-block ahead, share one
-// scoreboard with the rest of the loop (perf-log Session 24).
-template <int SB_AHEAD = 0>
-struct WgQ4KT {
+struct WgQ4K {
 static constexpr int BLOCK_BYTES = 144;
-enum { PF = 0, ST_ASYNC = 0, SB_ASYNC = SB_AHEAD };   // no per-stage part: the super-block streams in
-// SB_ASYNC: a slot holds the 6 uint4 of Sb (hdr[0], hdr[1], qs[0][0..1], qs[1][0..1]) of the
-// block's 256 threads; thread x's word i at slot + i * WORD_STRIDE + 16 x.
-enum { RING_UNIT = 16, WORD_STRIDE = WG_THREADS * 16, SLOT_BYTES = 6 * WG_THREADS * 16 };
+enum { PF = 0 };                                       // no per-stage part: the super-block streams in
 struct St {};                                          // Sb (an enum: a static constexpr adds a .global)
 
 // One super-block of a lane's two rows: the 16-byte header and the 32 qs bytes of chunk t.
@@ -52,20 +41,6 @@ static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, i
     s.qs[0][1] = __ldg(p0 + 2 + 2 * t);
     s.qs[1][0] = __ldg(p1 + 1 + 2 * t);
     s.qs[1][1] = __ldg(p1 + 2 + 2 * t);
-}
-
-// SB_ASYNC: load's bytes into this thread's ring slot `dst` (slot + 16 x), and back.
-static __device__ __forceinline__ void copy_sb(u32 dst, const u8* r0, const u8* r1, int sb, int t) {
-    const uint4* p0 = (const uint4*)(r0 + (size_t)sb * 144);
-    const uint4* p1 = (const uint4*)(r1 + (size_t)sb * 144);
-    const uint4* src[6] = {p0, p1, p0 + 1 + 2 * t, p0 + 2 + 2 * t, p1 + 1 + 2 * t, p1 + 2 + 2 * t};
-#pragma unroll
-    for (int i = 0; i < 6; ++i) wg_cp_async16(dst + i * WORD_STRIDE, src[i]);
-}
-static __device__ __forceinline__ void read_sb(Sb& s, u32 src) {
-    uint4* w[6] = {&s.hdr[0], &s.hdr[1], &s.qs[0][0], &s.qs[0][1], &s.qs[1][0], &s.qs[1][1]};
-#pragma unroll
-    for (int i = 0; i < 6; ++i) *w[i] = wg_lds128(src + i * WORD_STRIDE);
 }
 
 // (scale, -min) f16x2 pairs of sub-blocks 2t (lo) and 2t+1 (hi) of one row from its header.
@@ -120,21 +95,12 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const 
 }
 };
 
-using WgQ4K = WgQ4KT<0>;
-#ifndef WG_Q4_ASYNC
-#define WG_Q4_ASYNC 0
-#endif
-#ifndef WG_Q4_AHEAD
-#define WG_Q4_AHEAD 2
-#endif
-using WgQ4KAt = WgQ4KT<WG_Q4_ASYNC ? WG_Q4_AHEAD : 0>;
-
 #ifndef GGP_EMU
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4KAt, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ4K, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 
 // K split in KP parts, a cluster of KP blocks along the grid's z per output tile (few tokens:
@@ -143,6 +109,6 @@ template <int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4KAt, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 #endif

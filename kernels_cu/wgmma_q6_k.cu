@@ -25,27 +25,16 @@
 #include "f16x2.cuh"
 #ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
-#elif !defined(WG_THREADS)
-#define WG_THREADS 256                 // wgmma_common.cuh's block size (the ASYNC ring's layout)
 #endif
 
 #define H2_M1056 0xE420E420u           // (-1056, -1056)
 #define H2_M288 0xDC80DC80u            // (-288, -288)
 #define H2_1_4 0x34003400u             // (1/4, 1/4)
 
-// PF: stages loaded ahead (a ring of PF slots of 12 registers, 24 for raw blocks). ASYNC (padded
-// blocks only): the stages stream instead through a per-thread ring of PF + 1 shared-memory slots
-// by 8-byte cp.async (copy_stage), read back just before use (read_stage), so the wait for a stage
-// is a partial one (cp.async.wait_group PF - 1, wgmma_common.cuh): ptxas puts every register load
-// of the loop on one scoreboard, so a register stage's first use also waits for the stages issued
-// after it (perf-log Session 24), and PF stages ahead act as one.
-template <bool PADDED, int PF_, bool ASYNC_ = false>
+// PF: stages loaded ahead (a ring of PF slots of 12 registers, 24 for raw blocks).
+template <bool PADDED, int PF_>
 struct WgQ6K {
-static_assert(PADDED || !ASYNC_, "ASYNC: 8-byte copies need the padded blocks");
-enum { BLOCK_BYTES = PADDED ? 224 : 210, PF = PF_, ST_ASYNC = ASYNC_, SB_ASYNC = 0 };
-// ASYNC: one ring slot = the 6 pieces (row r, run k) of the block's 256 threads, 8 bytes each;
-// thread x's piece (r, k) at slot + (3 r + k) * PIECE_STRIDE + 8 x.
-enum { RING_UNIT = 8, PIECE_STRIDE = WG_THREADS * 8, SLOT_BYTES = 6 * WG_THREADS * 8 };
+enum { BLOCK_BYTES = PADDED ? 224 : 210, PF = PF_ };
 
 // Per super-block (one ahead): row r's scale word sc[4t .. 4t + 3] and d (f16 bits).
 struct Sb {
@@ -115,29 +104,6 @@ static __device__ __forceinline__ void load_stage(St& st, const u8* r0, const u8
     }
 }
 
-// ASYNC: stage j's pieces (load_stage's bytes) into this thread's ring slot `dst` (slot + 8 x).
-static __device__ __forceinline__ void copy_stage(u32 dst, const u8* r0, const u8* r1, int j, int t) {
-    const int off = 64 * (t >> 1) + 8 * (j & 3);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const u8* b = (r ? r1 : r0) + (size_t)(j >> 2) * BLOCK_BYTES;
-        const u8* src[3] = {b + off, b + off + 32, b + 128 + 32 * (t >> 1) + 8 * (j & 3)};
-#pragma unroll
-        for (int k = 0; k < 3; ++k) wg_cp_async8(dst + (3 * r + k) * PIECE_STRIDE, src[k]);
-    }
-}
-// ASYNC: the registers load_stage gives, from the slot copy_stage filled (its copies landed).
-static __device__ __forceinline__ void read_stage(St& st, u32 src) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int k = 0; k < 3; ++k) {
-            const uint2 v = wg_lds64(src + (3 * r + k) * PIECE_STRIDE);
-            st.p[r][k][0] = v.x;
-            st.p[r][k][1] = v.y;
-        }
-}
-
 // Word q (0, 1) of piece k of row r.
 static __device__ __forceinline__ u32 word(const St& st, int r, int k, int q) {
     if constexpr (PADDED) return st.p[r][k][q];
@@ -181,19 +147,13 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb&, const St
 #endif
 template <int BT>
 constexpr int wg_q6_pf() { return BT >= 256 ? WG_Q6_PF256 : BT >= 128 ? WG_Q6_PF128 : WG_Q6_PF64; }
-// WG_Q6_ASYNC=1 (an A/B define): the padded layout's stages through the shared-memory ring.
-#ifndef WG_Q6_ASYNC
-#define WG_Q6_ASYNC 0
-#endif
-template <bool PADDED, int BT>
-using WgQ6KAt = WgQ6K<PADDED, wg_q6_pf<BT>(), PADDED && WG_Q6_ASYNC>;
 
 #ifndef GGP_EMU
 template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ6KAt<PADDED, BT>, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 
 // K split in KP parts (wgmma_q4_k.cu's wgmma_q4_k_kp).
@@ -201,6 +161,6 @@ template <bool PADDED, int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ6KAt<PADDED, BT>, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 #endif

@@ -284,21 +284,6 @@ extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsig
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }
-// wgmma_common.cuh's shared-memory copies for the weight policies' ASYNC rings (the policy test
-// calls them outside any block): u32 addresses into one buffer, the copy landing at once.
-inline unsigned char g_emu_ring[1 << 17];
-inline void wg_cp_async8(unsigned dst, const void* src) { std::memcpy(g_emu_ring + dst, src, 8); }
-inline void wg_cp_async16(unsigned dst, const void* src) { std::memcpy(g_emu_ring + dst, src, 16); }
-inline uint2 wg_lds64(unsigned addr) {
-    uint2 v;
-    std::memcpy(&v, g_emu_ring + addr, 8);
-    return v;
-}
-inline uint4 wg_lds128(unsigned addr) {
-    uint4 v;
-    std::memcpy(&v, g_emu_ring + addr, 16);
-    return v;
-}
 template <class T>
 inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() {}

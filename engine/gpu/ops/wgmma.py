@@ -32,33 +32,13 @@ THREADS = 256         # WG_THREADS
 BK = 64               # WG_BK
 
 
-def smem_bytes(bt: int, stages: int, kp: int = 1, ring: int = 0) -> int:
+def smem_bytes(bt: int, stages: int, kp: int = 1) -> int:
     """wgmma_common.cuh wg_stage_area (the stage buffers; with kp > 1 at least the partial tile
-    of bt x 128 floats), then one 8-byte mbarrier per stage, then from the next 16-byte boundary
-    `ring` bytes (q4_ring_bytes, q6_ring_bytes)."""
+    of bt x 128 floats), then one 8-byte mbarrier per stage."""
     area = stages * bt * BK * 2
     if kp > 1:
         area = max(area, bt * ROWS * 4)
-    area += 8 * stages
-    return (area + 15) // 16 * 16 + ring if ring else area
-
-
-def q6_ring_bytes(bt: int, padded: bool) -> int:
-    """The shared-memory ring of the q6_K policy under the A/B define WG_Q6_ASYNC=1 (padded
-    blocks; wgmma_q6_k.cu: PF + 1 slots of 6 x 8 bytes per thread; PF as wg_q6_pf)."""
-    if not (padded and kernels.define_value("WG_Q6_ASYNC", 0)):
-        return 0
-    pf = (kernels.define_value("WG_Q6_PF256", 2) if bt >= 256 else kernels.define_value("WG_Q6_PF128", 4)
-          if bt >= 128 else kernels.define_value("WG_Q6_PF64", 2))
-    return (pf + 1) * 6 * THREADS * 8
-
-
-def q4_ring_bytes() -> int:
-    """The shared-memory ring of the q4_K policy under the A/B define WG_Q4_ASYNC=1
-    (wgmma_q4_k.cu: WG_Q4_AHEAD + 1 slots of 6 x 16 bytes per thread)."""
-    if not kernels.define_value("WG_Q4_ASYNC", 0):
-        return 0
-    return (kernels.define_value("WG_Q4_AHEAD", 2) + 1) * 6 * THREADS * 16
+    return area + 8 * stages
 
 
 def tiled_shape(T: int, K: int) -> tuple[int, int, int, int, int]:
@@ -91,11 +71,9 @@ def tile_x16(x, out=None):
     return out
 
 
-def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None,
-            ring: Callable[[int], int] = lambda bt: 0):
+def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
     """(bt, stages, kp, dynamic shared bytes) of a launch over N rows: the production choice
-    (registry.wgmma_config) where bt is None; a given bt runs unsplit unless kp says. ring: the
-    bytes of the weight policy's shared-memory ring at a bt (q4_ring_bytes, q6_ring_bytes)."""
+    (registry.wgmma_config) where bt is None; a given bt runs unsplit unless kp says."""
     if bt is None:
         bt, auto_kp = registry.wgmma_config(T, N, K)
         kp = kp or auto_kp
@@ -103,7 +81,7 @@ def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None,
     stages = stages or registry.WGMMA_STAGES
     if kp > K // 256:
         raise ValueError(f"{op}: {kp} K-parts of {K // 256} super-blocks (at most one part per super-block)")
-    return bt, stages, kp, smem_bytes(bt, stages, kp, ring(bt))
+    return bt, stages, kp, smem_bytes(bt, stages, kp)
 
 
 def _out(label: str, weight: DeviceWeight, T: int, out):
@@ -121,7 +99,7 @@ def _out(label: str, weight: DeviceWeight, T: int, out):
 
 
 def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weight: DeviceWeight, xt, T: int, out,
-            bt: int | None, stages: int | None, kp: int | None, ring: Callable[[int], int]):
+            bt: int | None, stages: int | None, kp: int | None):
     """The shared checks and launch of the wgmma GEMMs: `instance` is a function (bt, stages, kp)
     -> the template instance of kernels_cu/<fname>."""
     N, K = weight.rows, weight.cols
@@ -129,7 +107,7 @@ def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weigh
     check_dev(xt, np.float16, tiled_shape(T, K), f"{op} activations")
     if T == 0:
         return out
-    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp, ring)
+    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp)
     k = kernels.get_kernel(fname, instance(bt, stages, kp), dynamic_smem=smem)
     k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
       shared_mem=smem)
@@ -141,8 +119,7 @@ def wgmma_q4k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None,
     """y[T, N] (float32) = x . W^T for a q4_K DeviceWeight and xt = tile_x16(x) (module docstring)."""
     if weight.ggml_type != GGML_Q4_K:
         raise ValueError(f"wgmma_q4k: weight type {weight.type_name} is not q4_K")
-    return _launch("wgmma_q4k", FILE, registry.wgmma_instance, weight, xt, T, out, bt, stages, kp,
-                   lambda bt: q4_ring_bytes())
+    return _launch("wgmma_q4k", FILE, registry.wgmma_instance, weight, xt, T, out, bt, stages, kp)
 
 
 def wgmma_q6k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None,
@@ -153,7 +130,7 @@ def wgmma_q6k(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None,
     if weight.ggml_type != GGML_Q6_K:
         raise ValueError(f"wgmma_q6k: weight type {weight.type_name} is not q6_K")
     return _launch("wgmma_q6k", Q6_FILE, lambda bt, st, kp: registry.wgmma_q6_instance(weight.padded, bt, st, kp),
-                   weight, xt, T, out, bt, stages, kp, lambda bt: q6_ring_bytes(bt, weight.padded))
+                   weight, xt, T, out, bt, stages, kp)
 
 
 def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b=None, bt: int | None = None,
@@ -170,8 +147,7 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
     check_dev(xt, np.float16, tiled_shape(T, K), "wgmma_pair activations")
     if T == 0:
         return tuple(outs)
-    bt, stages, kp, smem = _config("wgmma_pair", T, wa.rows + wb.rows, K, bt, stages, kp,
-                                   lambda bt: max(q4_ring_bytes(), q6_ring_bytes(bt, wb.padded)))
+    bt, stages, kp, smem = _config("wgmma_pair", T, wa.rows + wb.rows, K, bt, stages, kp)
     k = kernels.get_kernel(PAIR_FILE, registry.wgmma_pair_instance(wb.padded, bt, stages, kp), dynamic_smem=smem)
     k((-(-T // bt), (wa.rows + wb.rows) // ROWS, kp), (THREADS,),
       (wa.data, outs[0], np.int32(wa.rows), wb.data, outs[1], np.int32(wb.rows), xt, np.int32(T), np.int32(K)),
