@@ -112,67 +112,23 @@ static __device__ __forceinline__ u32 word(const St& st, int r, int k, int q) {
 
 // Stage jj (0..3) of a super-block: words m = 2jj, 2jj+1 of both rows -> 4 k16 steps x 4 registers.
 static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb&, const St& st, int jj, const Sc& sc, int t) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) frag_words(a, word(st, r, 0, q), word(st, r, 1, q), word(st, r, 2, q), q, r, jj, sc, t);
-}
-
-// Word m = 2 jj + q of row r's runs L, U, H -> k16 steps 2q, 2q + 1 of frags' registers (row r).
-static __device__ __forceinline__ void frag_words(u32 (&a)[4][4], u32 L, u32 U, u32 H, int q, int r, int jj,
-                                                  const Sc& sc, int t) {
     const u32 sl = 4 * (t & 1);                        // ql nibble shift 4n
     const u32 sx = 4 - sl, su = sl - 2;                // qh left shift 4 - 4n; U rotate 4n - 2 (mod 32)
-    const u32 x = H << sx;
-    const u32 v = ((L >> sl) & 0x0F0F0F0Fu) | (x & 0x30303030u);
-    const u32 v4 = (__funnelshift_r(U, U, su) & 0x3C3C3C3Cu) | (x & 0xC0C0C0C0u);
-    const u32 s_lo = sc.v[r][jj >> 1], s_hi = sc.v[r][2 + (jj >> 1)];   // m >= 4 <=> jj >= 2
-    a[2 * q][r] = h2_mul(h2_add(__byte_perm(v, 0x64, 0x4240), H2_M1056), s_lo);         // bytes 0, 2
-    a[2 * q][2 + r] = h2_mul(h2_add(__byte_perm(v, 0x64, 0x4341), H2_M1056), s_lo);     // bytes 1, 3
-    a[2 * q + 1][r] = h2_mul(h2_fma(__byte_perm(v4, 0x64, 0x4240), H2_1_4, H2_M288), s_hi);
-    a[2 * q + 1][2 + r] = h2_mul(h2_fma(__byte_perm(v4, 0x64, 0x4341), H2_1_4, H2_M288), s_hi);
-}
-};
-
-// WG_Q6_SB=1 (an A/B define; padded blocks, BT <= 64): q4_K's form for q6_K, the whole
-// super-block's pieces in registers one super-block ahead (Sb), none per stage: 14 loads a
-// super-block instead of 28, and the loop's one wait for them falls a whole super-block after
-// they were issued. (ptxas puts every load of the K loop on one scoreboard, so a per-stage
-// first use also waits for the stages issued after it: perf-log Session 24.) 52 registers a
-// super-block, twice (cur, nxt): too many beside BT = 128's accumulators.
-template <bool PADDED>
-struct WgQ6KSb {
-static_assert(PADDED, "WgQ6KSb: 16-byte loads need the padded blocks");
-using Base = WgQ6K<true, 1>;
-enum { BLOCK_BYTES = 224, PF = 0 };
-struct St {};
-struct Sb : Base::Sb {
-    u32 p[2][3][8];                                    // row r, run k (L, U, H), word m
-};
-using Sc = Base::Sc;
-
-static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, int sb, int t) {
-    Base::load(s, r0, r1, sb, t);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const u8* b = (r ? r1 : r0) + (size_t)sb * BLOCK_BYTES;
-        const u8* src[3] = {b + 64 * (t >> 1), b + 64 * (t >> 1) + 32, b + 128 + 32 * (t >> 1)};
+    for (int q = 0; q < 2; ++q) {
 #pragma unroll
-        for (int k = 0; k < 3; ++k) {
-            const uint4 v0 = __ldg((const uint4*)src[k]), v1 = __ldg((const uint4*)(src[k] + 16));
-            const u32 w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-            for (int m = 0; m < 8; ++m) s.p[r][k][m] = w[m];
+        for (int r = 0; r < 2; ++r) {
+            const u32 L = word(st, r, 0, q), U = word(st, r, 1, q), H = word(st, r, 2, q);
+            const u32 x = H << sx;
+            const u32 v = ((L >> sl) & 0x0F0F0F0Fu) | (x & 0x30303030u);
+            const u32 v4 = (__funnelshift_r(U, U, su) & 0x3C3C3C3Cu) | (x & 0xC0C0C0C0u);
+            const u32 s_lo = sc.v[r][jj >> 1], s_hi = sc.v[r][2 + (jj >> 1)];   // m >= 4 <=> jj >= 2
+            a[2 * q][r] = h2_mul(h2_add(__byte_perm(v, 0x64, 0x4240), H2_M1056), s_lo);         // bytes 0, 2
+            a[2 * q][2 + r] = h2_mul(h2_add(__byte_perm(v, 0x64, 0x4341), H2_M1056), s_lo);     // bytes 1, 3
+            a[2 * q + 1][r] = h2_mul(h2_fma(__byte_perm(v4, 0x64, 0x4240), H2_1_4, H2_M288), s_hi);
+            a[2 * q + 1][2 + r] = h2_mul(h2_fma(__byte_perm(v4, 0x64, 0x4341), H2_1_4, H2_M288), s_hi);
         }
     }
-}
-static __device__ __forceinline__ void scales(Sc& sc, const Sb& s, int t) { Base::scales(sc, s, t); }
-static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const St&, int jj, const Sc& sc, int t) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            Base::frag_words(a, s.p[r][0][2 * jj + q], s.p[r][1][2 * jj + q], s.p[r][2][2 * jj + q], q, r, jj, sc, t);
 }
 };
 
@@ -191,21 +147,13 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const 
 #endif
 template <int BT>
 constexpr int wg_q6_pf() { return BT >= 256 ? WG_Q6_PF256 : BT >= 128 ? WG_Q6_PF128 : WG_Q6_PF64; }
-#ifndef WG_Q6_SB
-#define WG_Q6_SB 0
-#endif
-template <bool SB, class A, class B> struct WgPick { using T = B; };
-template <class A, class B> struct WgPick<true, A, B> { using T = A; };
-// The wgmma_q6_k kernels' policy (wgmma_pair.cu keeps WgQ6K: its two blocks per SM need <= 128 registers).
-template <bool PADDED, int BT>
-using WgQ6KAt = typename WgPick<WG_Q6_SB && PADDED && BT <= 64, WgQ6KSb<PADDED>, WgQ6K<PADDED, wg_q6_pf<BT>()>>::T;
 
 #ifndef GGP_EMU
 template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ6KAt<PADDED, BT>, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 
 // K split in KP parts (wgmma_q4_k.cu's wgmma_q4_k_kp).
@@ -213,6 +161,6 @@ template <bool PADDED, int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ6KAt<PADDED, BT>, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
 }
 #endif

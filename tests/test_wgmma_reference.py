@@ -336,7 +336,7 @@ extern "C" void run_policy(const u8* W, int nrows, int nsb, u32* out) { policy_f
 '''
 
 
-@pytest.mark.parametrize("kind,layout", [("q4_k", "raw"), ("q6_k", "padded"), ("q6_k", "raw"), ("q6_k", "padded-sb")])
+@pytest.mark.parametrize("kind,layout", [("q4_k", "raw"), ("q6_k", "padded"), ("q6_k", "raw")])
 def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
     """The weight policies of kernels_cu/wgmma_q4_k.cu and wgmma_q6_k.cu (headers, scales, the
     unpack to f16 A fragments; q6_K in both block layouts) compiled for the CPU
@@ -353,8 +353,7 @@ def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     fname, policy = {("q4_k", "raw"): ("wgmma_q4_k.cu", "WgQ4K"), ("q6_k", "padded"): ("wgmma_q6_k.cu", "WgQ6K<true, 4>"),
-                     ("q6_k", "raw"): ("wgmma_q6_k.cu", "WgQ6K<false, 4>"),
-                     ("q6_k", "padded-sb"): ("wgmma_q6_k.cu", "WgQ6KSb<true>")}[kind, layout]
+                     ("q6_k", "raw"): ("wgmma_q6_k.cu", "WgQ6K<false, 4>")}[kind, layout]
     emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
     src = tmp_path / "policy.cpp"
     src.write_text(emu_h + "\n" + kernels.source(fname) + f"\n#define POLICY {policy}\n" + _POLICY_HARNESS)
@@ -369,7 +368,7 @@ def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
     nsb = K // 256
     w = random_blocks(rng, kind, N, K, special=True)
     w16 = (dequant_q4_k_f16(w) if kind == "q4_k" else dequant_q6_k_f16(w)).view(np.uint16)
-    wdev = np.ascontiguousarray(Q.repack_q6_k_padded(w) if layout.startswith("padded") else w)
+    wdev = np.ascontiguousarray(Q.repack_q6_k_padded(w) if layout == "padded" else w)
     out = np.zeros((N // 16, 32, nsb, 4, 4, 4), dtype=np.uint32)
     lib.run_policy(ctypes.c_void_p(wdev.ctypes.data), ctypes.c_int(N), ctypes.c_int(nsb), ctypes.c_void_p(out.ctypes.data))
     P = np.asarray(k_permutation())
