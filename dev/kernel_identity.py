@@ -1,8 +1,8 @@
 """Machine-code identity of kernel instances across two trees, on the CPU (no GPU).
 
 Compiles kernel instances with NVRTC exactly as engine.gpu.kernels.compile_for_check does (same
-source assembly and options, -arch=sm_90, sm_90a for the wgmma files) and records, per instance, the sha256 of its SASS (the
-cubin's .text.<lowered name> section) and of its parameter bank size. Two dumps of the same
+source assembly and options, -arch=sm_90, sm_90a for the wgmma files) and records, per instance,
+the sha256 of its SASS (the cubin's .text.<lowered name> section) and of its parameter bank size. Two dumps of the same
 instance that agree ran the very same machine code: a refactor of the kernel sources (a header
 moved, an unused arm removed, a kernel renamed) that keeps every production hash is bit-identical
 and cannot move performance.
