@@ -1,7 +1,7 @@
 """SASS of one kernel instance, built on the CPU (NVRTC PTX -> ptxas -> nvdisasm): instruction
 counts by opcode, so a kernel change's instruction mix is read without device time.
 
-    python -m dev.sass_dump mmsb_q4_k.cu "mmsb_q4_k<4, 2, 2>" [--sass] [--loop] [--tools DIR ...]
+    python -m dev.sass_dump mmsb_q4_k.cu "mmsb_q4_k<4, 2, 2>" [--sass] [--loop] [--ctrl] [--tools DIR ...]
 
 ptxas: the `nvidia-cuda-nvcc-cu12` wheel's bin/ptxas (the NVRTC of the same CUDA release, so
 the registers match ptxas's -v of the run-time build); nvdisasm: the `nvidia-cuda-nvdisasm`
@@ -50,6 +50,24 @@ def ptx(fname: str, instance: str, arch: str = "compute_90") -> tuple[str, str]:
         nvrtc.destroyProgram(prog)
 
 
+def control_listing(hex_sass: str) -> str:
+    """`nvdisasm -hex` output as one line per instruction with its scheduling control bits
+    (sm_90's upper 64-bit word: stall cycles at bit 41, write / read scoreboard at 46 / 49 (7 =
+    none), wait mask at 52): which scoreboard a load sets and which instruction waits on it."""
+    lines, out = hex_sass.splitlines(), []
+    for i, line in enumerate(lines[:-1]):
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);\s*/\*\s*0x[0-9a-f]+\s*\*/", line)
+        hi = re.search(r"/\*\s*(0x[0-9a-f]+)\s*\*/", lines[i + 1]) if m else None
+        if not hi:
+            continue
+        w = int(hi.group(1), 16)
+        stall, wb, rb, wait = (w >> 41) & 0xF, (w >> 46) & 7, (w >> 49) & 7, (w >> 52) & 0x3F
+        sb = lambda v: "-" if v == 7 else str(v)
+        waits = "".join(str(b) for b in range(6) if wait >> b & 1) or "-"
+        out.append(f"{m.group(1)}  stall {stall:2d}  wr {sb(wb)}  rd {sb(rb)}  wait {waits:6s}  {m.group(2)}")
+    return "\n".join(out)
+
+
 def opcode_counts(sass: str) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
     for line in sass.splitlines():
@@ -83,6 +101,8 @@ def main() -> None:
     ap.add_argument("--tools", nargs="*", default=[])
     ap.add_argument("--sass", action="store_true", help="print the whole listing")
     ap.add_argument("--loop", action="store_true", help="also the opcode counts of one pass of the main (K) loop")
+    ap.add_argument("--ctrl", action="store_true", help="print the listing with each instruction's control bits "
+                    "(stall, the scoreboards it sets, the ones it waits on)")
     a = ap.parse_args()
     arch = "90a" if a.file in kernels.SM90A_FILES else "90"     # wgmma needs the arch-specific target
     text, lowered = ptx(a.file, a.instance, f"compute_{arch}")
@@ -92,6 +112,9 @@ def main() -> None:
                              check=True, capture_output=True, text=True).stderr
         sass = subprocess.run([find_tool("nvdisasm", a.tools), "-c", f"{d}/k.cubin"], check=True,
                               capture_output=True, text=True).stdout
+        if a.ctrl:
+            print(control_listing(subprocess.run([find_tool("nvdisasm", a.tools), "-c", "-hex", f"{d}/k.cubin"],
+                                                 check=True, capture_output=True, text=True).stdout))
     if a.sass:
         print(sass)
     counts = opcode_counts(sass)

@@ -194,3 +194,20 @@ def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
     groups.write_text("fail A=1\n")
     assert main(["--keep-tested", str(groups), "--sets", "A=1;A=1"]) == 0
     assert capsys.readouterr().out.strip() == "A=1"
+
+
+def test_sass_control_listing():
+    """dev.sass_dump --ctrl decodes sm_90's control word: stall, the scoreboards an instruction
+    sets (write, read; 7 = none) and the ones it waits on."""
+    from dev.sass_dump import control_listing
+
+    hi = (1 << 41) | (5 << 46) | (0 << 49) | (0b100001 << 52)      # stall 1, wr 5, rd 0, waits on 0 and 5
+    none = (2 << 41) | (7 << 46) | (7 << 49)
+    text = ("        /*0e50*/  @!P0 LDG.E.CONSTANT R101, desc[UR24][R44.64] ;  /* 0x0000000000000000 */\n"
+            f"                                                               /* 0x{hi:016x} */\n"
+            "        /*0e60*/  IADD3 R1, R2, R3, RZ ;  /* 0x0000000000000000 */\n"
+            f"                                                               /* 0x{none:016x} */\n")
+    lines = control_listing(text).splitlines()
+    assert lines[0].split() == ["0e50", "stall", "1", "wr", "5", "rd", "0", "wait", "05", "@!P0", "LDG.E.CONSTANT",
+                                "R101,", "desc[UR24][R44.64]"]
+    assert lines[1].split()[:8] == ["0e60", "stall", "2", "wr", "-", "rd", "-", "wait"] and lines[1].split()[8] == "-"
