@@ -98,6 +98,8 @@ step_small() {
 # ncu_mmq.py; each profiles the second launch of the q4_K and the q6_K kernel; NCU_SOURCE=1 also
 # writes ncu_src_<i>.csv, the q4_K kernel's stall samples per SASS instruction). NCU_KERNELS /
 # NCU_SRC_KERNEL: the kernel-name regexes (e.g. wgmma_q / wgmma_q4 with VARIANT wgmma).
+# NCU_EXTRA: more ncu arguments (e.g. "--section MemoryWorkloadAnalysis_Tables" for the L1 / LSU
+# per SM; the lines this step greps out of the report stay the same, the whole report is ncu_<i>.txt).
 step_ncu() {
   local ncu rc=0 args i=0; ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "ncu not found"; return 1; }
@@ -107,7 +109,7 @@ step_ncu() {
     "$ncu" --clock-control none --kernel-name regex:"${NCU_KERNELS:-mm(q|sb|vq)_q}" --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section ComputeWorkloadAnalysis --section Occupancy --section MemoryWorkloadAnalysis \
-        --section LaunchStats --section InstructionStats \
+        --section LaunchStats --section InstructionStats ${NCU_EXTRA:-} \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 -m dev.ncu_mmq $args > "$OUT/ncu_$i.txt" 2>&1 || rc=1
     echo "--- ncu $args"
