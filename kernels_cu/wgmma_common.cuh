@@ -204,19 +204,15 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
             wg_commit();
             wg_wait<1>();                              // stage l - 1 retired in this warpgroup
             const u32 ln = l - 1 + STAGES;             // refill buffer l - 1 once both warpgroups retired it
+            const u32 bn = ln % STAGES;                // = (l - 1) % STAGES: its emptying (l - 1) / STAGES
             if constexpr (WG_EMPTY_MB) {
-                const u32 bn = ln % STAGES;            // = (l - 1) % STAGES: its emptying (l - 1) / STAGES
                 if (l >= 1 && lane == 0) mbar_arrive(empties + 8 * bn);
-                if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
-                    mbar_wait(empties + 8 * bn, ((l - 1) / STAGES) & 1);
-                    wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
-                }
             } else {
                 __syncthreads();
-                if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
-                    const u32 bn = ln % STAGES;
-                    wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
-                }
+            }
+            if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
+                if constexpr (WG_EMPTY_MB) mbar_wait(empties + 8 * bn, ((l - 1) / STAGES) & 1);
+                wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
             }
         }
         cur = nxt;

@@ -22,8 +22,8 @@ from collections import Counter
 from typing import Callable
 
 from engine.gpu import registry
+from engine.gpu.ops.wgmma import ROWS
 
-ROWS_PER_TILE = 128              # wgmma_common.cuh WG_ROWS
 STEP = 256                       # candidate ubatch sizes: multiples of the large token tile
 
 
@@ -33,7 +33,7 @@ def gemm_wave_cost(T: int, gemms: Counter, sms: int = registry.WGMMA_WAVE_SMS) -
     total = 0.0
     for (N, K), count in gemms.items():
         bt, kp = registry.wgmma_config(T, N, K)
-        blocks = -(-T // bt) * (N // ROWS_PER_TILE) * kp
+        blocks = -(-T // bt) * (N // ROWS) * kp
         total += count * -(-blocks // sms) * bt * K / kp
     return total
 
