@@ -17,10 +17,8 @@
 #include "common.cuh"
 #include "x16_tiles.cuh"
 
-// silu in the RnDivExact policy (numerics.cuh: non-ftz add / div), then the ftz product.
-__device__ __forceinline__ float sw_silu_mul(float g, float u) {
-    return __fmul_rn(silu<RnDivExact>(g), u);
-}
+// h = silu(g) * u: x16_tiles.cuh wg_swiglu_h (the gate|up GEMM's fused epilogue computes the same).
+__device__ __forceinline__ float sw_silu_mul(float g, float u) { return wg_swiglu_h(g, u); }
 
 // The q8_1 block below is rmsnorm.cu's (numerics.cuh q8_1_quad<RnDivExact>) written out:
 // through the shared helper this kernel's machine code changes (dev/kernel_identity.py).

@@ -130,7 +130,13 @@ constexpr u32 wg_stage_area() {
 // then the parts add their f32 tiles through distributed shared memory, part 0 + part 1 + ... in
 // that order whoever sums (so the result does not depend on timing), each block summing and
 // storing every KP-th accumulator.
-template <class WT, int BT, int STAGES, int KP = 1>
+//
+// SWIGLU (the gate|up GEMM's fused epilogue): W = [gate; up], N = 2 F rows; the block's 128 rows
+// are features 64 tile .. 64 tile + 63 of both halves (warp v's rows g: gate 8 v + g, g + 8: up
+// 8 v + g), and Y is the down GEMM's tiled f16 operand Xo of F columns (x16_tiles.cuh), not f32:
+// Xo = tiled f16 of h = silu(gate) * up (wg_swiglu_h), the bits swiglu_x16 makes of this GEMM's
+// f32 output, tokens < T stored. Each of a KP > 1 cluster's parts sums both halves of its pairs.
+template <class WT, int BT, int STAGES, int KP = 1, bool SWIGLU = false>
 __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* __restrict__ Xt,
                                            float* __restrict__ Y, int T, int N, int K, int tile) {
     extern __shared__ __align__(1024) u8 smem[];
@@ -143,8 +149,9 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const int row0 = tile * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
     const int g0 = blockIdx.x * (BT / 8), ngroups = (T + 7) / 8;
     const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
-    const u8* r0 = W + (size_t)row0 * row_bytes;
-    const u8* r1 = r0 + 8 * row_bytes;
+    const int feat = tile * (WG_ROWS / 2) + warp * 8 + g;   // SWIGLU: this thread's gate / up feature
+    const u8* r0 = W + (size_t)(SWIGLU ? feat : row0) * row_bytes;
+    const u8* r1 = r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)8) * row_bytes;
     const int nsb_all = K / 256;
     const int sb0 = KP > 1 ? (int)(blockIdx.z * nsb_all / KP) : 0;
     const int sb1 = KP > 1 ? (int)((blockIdx.z + 1) * nsb_all / KP) : nsb_all;
@@ -221,7 +228,19 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 
     // acc[h][4 i + e]: row g + 8 (e >> 1), token BN h + 8 i + 2 t + (e & 1)
     const int tok0 = g0 * 8;
-    if constexpr (KP == 1) {
+    u16* const Xo = reinterpret_cast<u16*>(Y);                  // SWIGLU's output
+    if constexpr (SWIGLU && KP == 1) {
+#pragma unroll
+        for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+            for (int i = 0; i < Tile::NACC / 4; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = tok0 + Tile::BN * h + 8 * i + 2 * t + e;
+                    wg_store_pair(Xo, tok, feat, ngroups, wg_swiglu_h(acc[h][4 * i + e], acc[h][4 * i + e + 2]),
+                                  tok < T);
+                }
+    } else if constexpr (KP == 1) {
 #pragma unroll
         for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
@@ -242,19 +261,41 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
             for (int i = 0; i < Tile::NACC; ++i) part[(h * Tile::NACC + i) * WG_THREADS + threadIdx.x] = acc[h][i];
         cluster_sync();                                // every part's tile written and visible
         const u32 rank = cluster_rank();
+        if constexpr (SWIGLU) {
+            // pair (4 i + e, 4 i + e + 2), e < 2, of token half h: summed by part `pair` % KP
 #pragma unroll
-        for (int h = 0; h < Tile::NH; ++h)
+            for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
-            for (int i = 0; i < Tile::NACC; ++i) {
-                const int c = h * Tile::NACC + i;
-                if (c % KP != (int)rank) continue;
-                const u32 addr = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4;
-                float v = 0.0f;
+                for (int i = 0; i < Tile::NACC / 4; ++i)
 #pragma unroll
-                for (int q = 0; q < KP; ++q) v += ld_dsmem_f32(addr, q);
-                const int tok = tok0 + Tile::BN * h + 8 * (i >> 2) + 2 * t + (i & 1);
-                if (tok < T) Y[(size_t)tok * N + row0 + 8 * ((i >> 1) & 1)] = v;
-            }
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = h * Tile::NACC + 4 * i + e, pair = (h * Tile::NACC / 4 + i) * 2 + e;
+                        if (pair % KP != (int)rank) continue;          // uniform over the block
+                        const u32 ag = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4, au = ag + 2 * WG_THREADS * 4;
+                        float vg = 0.0f, vu = 0.0f;
+#pragma unroll
+                        for (int q = 0; q < KP; ++q) {
+                            vg += ld_dsmem_f32(ag, q);
+                            vu += ld_dsmem_f32(au, q);
+                        }
+                        const int tok = tok0 + Tile::BN * h + 8 * i + 2 * t + e;
+                        wg_store_pair(Xo, tok, feat, ngroups, wg_swiglu_h(vg, vu), tok < T);
+                    }
+        } else {
+#pragma unroll
+            for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+                for (int i = 0; i < Tile::NACC; ++i) {
+                    const int c = h * Tile::NACC + i;
+                    if (c % KP != (int)rank) continue;
+                    const u32 addr = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4;
+                    float v = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < KP; ++q) v += ld_dsmem_f32(addr, q);
+                    const int tok = tok0 + Tile::BN * h + 8 * (i >> 2) + 2 * t + (i & 1);
+                    if (tok < T) Y[(size_t)tok * N + row0 + 8 * ((i >> 1) & 1)] = v;
+                }
+        }
         cluster_sync();                                // no block leaves while its tile is read
     }
 }

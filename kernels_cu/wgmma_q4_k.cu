@@ -3,6 +3,8 @@
 // Inputs: W uint8 [N, K/256 * 144] (q4_K rows: d f16 @0, dmin f16 @2, scales[12] @4, qs[128] @16);
 //         Xt f16 tiled activations (wgmma_common.cuh, wgmma_act.cu); Y f32 [T, N].
 //         N % 128 == 0, K % 256 == 0; T any.
+//         wgmma_q4_k_swiglu*: W = [gate; up] (N = 2 F, F % 256 == 0), out Xo f16 tiled [T, F] of
+//         silu(gate) * up (the down GEMM's operand; the bits of wgmma_q4_k + swiglu.cu swiglu_x16).
 // Weight numerics (engine.reference.wgmma.dequant_q4_k_f16 emulates them bit for bit):
 //   s = f16(d sc_j), m' = f16(dmin m_j) (f32 products, exact, rounded once to f16),
 //   w = f16(q s - m') (one fused f16x2 FMA: HFMA2), for q in 0..15 of sub-block j.
@@ -110,5 +112,22 @@ __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
     wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
+}
+
+// The gate|up GEMM with SwiGLU fused (wgmma_common.cuh SWIGLU): W = [gate; up] (N = 2 F rows),
+// Xo = the down GEMM's tiled f16 operand of h = silu(gate) * up; grid as wgmma_q4_k's over N.
+template <int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+wgmma_q4_k_swiglu(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N, int K) {
+    pdl_entry();
+    wgmma_gemm<WgQ4K, BT, STAGES, 1, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, blockIdx.y);
+}
+
+template <int BT, int STAGES, int KP>
+__global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
+wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N,
+                     int K) {
+    pdl_entry();
+    wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, blockIdx.y);
 }
 #endif

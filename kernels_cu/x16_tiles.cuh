@@ -37,3 +37,22 @@ __device__ __forceinline__ void wg_store_quad(u16* __restrict__ Xt, int n, int k
     dst[0] = wg_pack_f16x2(h0, h2);
     dst[32] = wg_pack_f16x2(h1, h3);                   // + 64 elements: chunk kc + 1
 }
+
+// SwiGLU's h = silu(g) * u: silu in the RnDivExact policy (numerics.cuh: non-ftz add / div), then
+// the ftz product. swiglu.cu and the gate|up GEMM's fused epilogue (wgmma_common.cuh) share it.
+__device__ __forceinline__ float wg_swiglu_h(float g, float u) {
+    return __fmul_rn(silu<RnDivExact>(g), u);
+}
+
+// h of feature k (any k) and token n, held one per lane of a warp whose lanes l and l + 8 hold
+// features k and k + 2 of the same token (the wgmma accumulator rows g, g + 2): features k, k + 2
+// of a quad sit side by side in Xt (logical L and L + 1, wg_quad_logical), so lane l packs both
+// into one 4-byte store. Every lane of the warp must call it (a shuffle); `store`: token n < T.
+__device__ __forceinline__ void wg_store_pair(u16* __restrict__ Xt, int n, int k, int ngroups, float h,
+                                              bool store) {
+    const float h2 = __shfl_down_sync(0xffffffffu, h, 8);
+    if (store && (k & 2) == 0) {
+        u32* dst = reinterpret_cast<u32*>(Xt + wg_xt_index(n, wg_quad_logical(k & ~3) + 8 * (k & 1), ngroups));
+        *dst = wg_pack_f16x2(h, h2);
+    }
+}

@@ -168,6 +168,15 @@ def emu_wgmma_pair(wa, wb, xt, T, out_a=None, out_b=None):
     return emu_wgmma(wa, xt, T, out_a), emu_wgmma(wb, xt, T, out_b)
 
 
+def emu_wgmma_swiglu(weight, xt, T, out=None):
+    y, F = emu_wgmma(weight, xt, T), weight.rows // 2
+    h = numerics.swiglu_x16(y[:, :F], y[:, F:])
+    if out is None:
+        return h
+    out[...] = h
+    return out
+
+
 def emu_mmq(weight, act, out=None, variant=None):
     y = numerics.mmq_q8_1(weight.data, weight.kind, act.q, act.ds[..., 0], weight.padded)
     if out is None:
@@ -220,6 +229,7 @@ def emulated_gpu():
                (ops.norm, "add_rmsnorm_x16"): emu_add_rmsnorm_x16, (ops.activation, "swiglu_x16"): emu_swiglu_x16,
                (ops.wgmma, "tile_x16"): emu_tile_x16, (ops.wgmma, "tiled_buffer"): emu_tiled_buffer,
                (ops.wgmma, "wgmma"): emu_wgmma, (ops.wgmma, "wgmma_pair"): emu_wgmma_pair,
+               (ops.wgmma, "wgmma_swiglu"): emu_wgmma_swiglu,
                (ops.norm, "gather_add_rows"): emu_gather_add_rows, (ops.argmax, "argmax_rows"): emu_argmax_rows,
                (ops.argmax, "record_last"): emu_record_last, (ops.argmax, "resolve_follow"): emu_resolve_follow,
                (gpu_batch, "pinned_int32"): lambda n: np.zeros(n, np.int32),

@@ -399,7 +399,7 @@ def _x16_mismatches(cp, out_f32, run):
 def test_default_ubatch(monkeypatch):
     """The prompt ubatch: DEFAULT_UBATCH, or GGUF_PREFILL_UBATCH; a bad value is a named error."""
     from engine.errors import GGUFError
-    from engine.gpu.model import DEFAULT_UBATCH, default_ubatch
+    from engine.gpu.ubatch_plan import DEFAULT_UBATCH, default_ubatch
 
     monkeypatch.delenv("GGUF_PREFILL_UBATCH", raising=False)
     assert default_ubatch() == DEFAULT_UBATCH
@@ -858,7 +858,8 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
     ubatches of >= wgmma_min_tokens tokens take it for every layer GEMM, shorter ones do not (q8_1
     MMQ); a q4_K | q6_K qkv group in one wgmma_pair launch; with q6_K left on MMQ that group gets
     both operand forms from one norm; the attention writing the Wo operand itself (attn_x16)
-    leaves the logits bit for bit and tile_x16 unlaunched; the logits stay within the bound."""
+    leaves the logits bit for bit and tile_x16 unlaunched, and so does the gate|up GEMM writing
+    the down GEMM's operand (WG_SWIGLU_EPI=1); the logits stay within the bound."""
     from engine.gpu import ops
     from engine.reference.model import ReferenceModel
     from engine.formats.weights import open_model
@@ -895,10 +896,18 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         g.attn_x16 = False
         g.forward(ids[:64], g.new_cache(64))
         n_tiled, n_before_q = len(tiled), len(calls)
+        fused = []
+        ws = ops.wgmma.wgmma_swiglu
+        monkeypatch.setattr(ops.wgmma, "wgmma_swiglu", lambda w, xt, T, out=None: fused.append(T) or ws(w, xt, T, out))
+        monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_SWIGLU_EPI=1")   # the gate|up GEMM's SwiGLU epilogue
+        ls = g.forward(ids, g.new_cache(150), all_logits=True)
+        monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES")
+        n_before_q = len(calls)
         g.wgmma_kinds = frozenset({"q4_k"})
         lq = g.forward(ids, g.new_cache(150), all_logits=True)
     n_layers = mf.config.n_layers
-    assert np.array_equal(lx, lg)
+    assert np.array_equal(lx, lg) and np.array_equal(ls, lg)
+    assert fused == [64] * (2 * n_layers)      # both 64-token ubatches, every layer
     assert n_tiled == n_layers and tiled[0] == (64, mf.config.q_dim)  # the 64-token forward only
     assert {t for t, _ in calls} == {64} and {k for _, k in calls} == {"q4_k", "q6_k", "pair"}
     # every layer GEMM of the two long ubatches: qkv group (one launch, or one per type), Wo,

@@ -201,3 +201,38 @@ def test_wgmma_pair_equals_two_launches(rng, T, Na, Nb, K, bt, kp):
         wgmma_pair(wa, wb, xt, T, ya, yb, **({} if auto else dict(bt=bt, kp=kp)))
         assert np.array_equal(cp.asnumpy(ya).view(np.uint32), want_a.view(np.uint32)), f"q4_K part (padded={padded})"
         assert np.array_equal(cp.asnumpy(yb).view(np.uint32), want_b.view(np.uint32)), f"q6_K part (padded={padded})"
+
+
+@pytest.mark.parametrize("T,F,K,bt,kp", [
+    (32, 256, 1024, 32, 1),             # one token tile, two row tiles (gate | up halves)
+    (50, 512, 2816, 64, 2),             # ragged tokens; K split, uneven parts
+    (32, 256, 4096, 32, 4),             # four parts: a pair's two halves summed by one part
+    (200, 256, 1024, 128, 1),           # ragged second token tile
+    (77, 512, 2048, 256, 1),            # ragged single tile of 256
+    (3314, 1024, 1024, None, None),     # the production choice (registry.wgmma_config)
+    (24, 768, 4096, None, None),
+])
+def test_wgmma_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt, kp):
+    """wgmma_swiglu (the gate|up GEMM's SwiGLU epilogue) == wgmma_q4k with the same tile choice,
+    then activation.swiglu_x16 on its [T, 2F] output, bit for bit over the whole tiled operand
+    (the tokens past T stay the buffer's zeros)."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu import registry
+    from engine.gpu.ops.activation import swiglu_x16
+    from engine.gpu.ops.wgmma import swiglu_fusable, tiled_buffer, wgmma_q4k, wgmma_swiglu
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.weights import upload_weight
+
+    wd = upload_weight(random_blocks(rng, "q4_k", 2 * F, K, special=True), "Q4_K")
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+    if bt is None:
+        bt, kp = registry.wgmma_config(T, 2 * F, K)
+        assert swiglu_fusable(wd, T)
+    gu = cp.asarray(_run_poisoned(wgmma_q4k, wd, xt, T, 2 * F, bt=bt, kp=kp))
+    want = tiled_buffer(T, F)
+    swiglu_x16(gu, gu[:, F:], 2 * F, F, want, T)
+    got = tiled_buffer(T, F)
+    wgmma_swiglu(wd, xt, T, out=got, bt=bt, kp=kp)
+    assert np.array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))

@@ -32,7 +32,9 @@ Hopper (sm_90) ubatches of T >= wgmma_min_tokens run the layers' q4_K and q6_K G
 instead (engine/gpu/ops/wgmma.py: weights dequantized to f16 in registers, f32 accumulation): their
 input is the same float32 activation rounded to f16 in a tiled layout, written by the producers
 (rmsnorm.cu add_rmsnorm_x16, swiglu.cu swiglu_x16; the attention output through float32 and
-wgmma_act.cu); a producer whose consumers mix both paths writes both forms.
+wgmma_act.cu); a producer whose consumers mix both paths writes both forms. With the switch
+WG_SWIGLU_EPI=1 (GGUF_PREFILL_KERNEL_DEFINES; off until measured) a q4_K gate|up GEMM writes
+the down GEMM's operand itself (ops.wgmma.wgmma_swiglu: no [T, 2 d_ff] f32, no swiglu_x16).
 
 Numerics: weights are the GGUF blocks (no dequantized copies); every MMQ GEMM input is q8_1
 (int8 + per-32 scale, like llama.cpp's MMQ), every wgmma GEMM input f16; Q, K, V and P are f16
@@ -57,27 +59,13 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.gpu import ops
+from engine.gpu import kernels, ops
 from engine.errors import GGUFError
 from engine.formats.weights import LAYER_MATRICES, ModelFile, layer_name, open_model
 from engine.gpu.kv_cache import GPUKVCache
 from engine.gpu.prefill_graph import cache_graph, graph_tokens
 from engine.gpu.profiler import OpTimer
-from engine.gpu.ubatch_plan import bounds, layer_launches, plan_ubatches
-
-DEFAULT_UBATCH = 4096
-
-
-def default_ubatch() -> int:
-    """DEFAULT_UBATCH, or GGUF_PREFILL_UBATCH (tokens per prompt forward: larger takes more
-    activation memory; A/B runs of long prompts)."""
-    env = os.environ.get("GGUF_PREFILL_UBATCH", "").strip()
-    if not env:
-        return DEFAULT_UBATCH
-    if not env.isdigit() or int(env) < 1:
-        raise GGUFError(f"GGUF_PREFILL_UBATCH={env!r}: a token count >= 1")
-    return int(env)
-
+from engine.gpu.ubatch_plan import bounds, default_ubatch, layer_launches, plan_ubatches
 
 def wgmma_default_min_tokens() -> int | None:
     """The ubatch size from which the layer GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS
@@ -448,19 +436,31 @@ class GPUModel:
                         ops.wgmma.tile_x16(out["out_f32"], out=xt)
             self._gemm(L.wo, a_q, out=y, xt=xt)
             xt = self._norm(x, y, L.ffn_norm, a_d, bufs, [s.w for s in L.gate_up])
-            views = self._seg_views(L.gate_up, a_d, role_cols, bufs, xt)
-            (gv, ldg), (uv, ldu) = views["ffn_gate"], views["ffn_up"]
-            if ldg != ldu:      # gate and up in separate buffers of one shape: ld == ff for both
-                raise AssertionError("gate/up row strides differ")
-            xt = None
-            if self._on_wgmma(L.down, T):
-                xt = bufs.xt(ff)
-                with self._span("swiglu_x16"):
-                    ops.activation.swiglu_x16(gv, uv, ldg, ff, xt, T)
-            else:
-                with self._span("swiglu_q8"):
-                    ops.activation.swiglu_q8_1(gv, uv, ldg, ff, a_f)
-            self._gemm(L.down, a_f, out=y, xt=xt)
+            self._gemm(L.down, a_f, out=y, xt=self._ffn_act(L, xt, bufs, role_cols))
+
+    def _ffn_act(self, L, xt, bufs, role_cols):
+        """silu(gate) * up of the ubatch into what the down GEMM reads: its tiled f16 operand
+        (returned; straight from the gate|up GEMM's epilogue where ops.wgmma.swiglu_fusable and
+        the switch WG_SWIGLU_EPI=1 of GGUF_PREFILL_KERNEL_DEFINES, until measured), or bufs.a_f."""
+        T, ff, segs = bufs.T, self.config.d_ff, L.gate_up
+        down_x16 = self._on_wgmma(L.down, T)
+        w = segs[0].w
+        if (down_x16 and len(segs) == 1 and self._on_wgmma(w, T) and ops.wgmma.swiglu_fusable(w, T)
+                and kernels.define_value("WG_SWIGLU_EPI", 0)):
+            out = bufs.xt(ff, slot=int(ff == w.cols))         # never the buffer it reads
+            with self._span("gemm_q4_k_swiglu"):
+                return ops.wgmma.wgmma_swiglu(w, xt, T, out=out)
+        views = self._seg_views(segs, bufs.a_d, role_cols, bufs, xt)
+        (gv, ldg), (uv, ldu) = views["ffn_gate"], views["ffn_up"]
+        if ldg != ldu:      # gate and up in separate buffers of one shape: ld == ff for both
+            raise AssertionError("gate/up row strides differ")
+        if down_x16:
+            with self._span("swiglu_x16"):
+                ops.activation.swiglu_x16(gv, uv, ldg, ff, bufs.xt(ff), T)
+            return bufs.xt(ff)
+        with self._span("swiglu_q8"):
+            ops.activation.swiglu_q8_1(gv, uv, ldg, ff, bufs.a_f)
+        return None
 
     def run_head(self, bufs, n: int, all_rows: bool):
         """Logits after run_layers: float32 [n, vocab] for rows 0..n-1 of bufs, or [1, vocab] for

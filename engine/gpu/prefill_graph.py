@@ -71,15 +71,17 @@ class UbatchBuffers:
             out = self._gemm[seg, rows] = _cp().empty((self.T, rows), dtype=_cp().float32)
         return out
 
-    def xt(self, K: int):
+    def xt(self, K: int, slot: int = 0):
         """The tiled f16 GEMM operand for K columns (engine.gpu.ops.wgmma.tiled_buffer: zero
         past T, which no producer writes). Producers of one K share it: each is read by its
-        GEMMs before the next producer of that K runs, in stream order."""
+        GEMMs before the next producer of that K runs, in stream order; slot 1 is a second
+        buffer, for a GEMM writing an operand of its own input's K (the gate|up GEMM's SwiGLU
+        epilogue where d_ff == d_model)."""
         from engine.gpu.ops.wgmma import tiled_buffer
 
-        out = self._xt.get(K)
+        out = self._xt.get((K, slot))
         if out is None:
-            out = self._xt[K] = tiled_buffer(self.T, K)
+            out = self._xt[K, slot] = tiled_buffer(self.T, K)
         return out
 
     def attn_f32(self):

@@ -245,6 +245,11 @@ def wgmma_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
     return _wgmma_name("wgmma_q4_k", "", bt, stages, kp)
 
 
+def wgmma_swiglu_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+    """kernels_cu/wgmma_q4_k.cu's gate|up GEMM with SwiGLU fused (the down GEMM's f16 operand out)."""
+    return _wgmma_name("wgmma_q4_k_swiglu", "", bt, stages, kp)
+
+
 def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
     """kernels_cu/wgmma_q6_k.cu: PADDED selects the 224-byte (8-byte loads) or the raw 210-byte
     block layout (2-byte loads), bit-identical results."""
@@ -256,7 +261,8 @@ def wgmma_pair_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: i
     return _wgmma_name("wgmma_pair", "true, " if padded else "false, ", bt, stages, kp)
 
 
-# (BT, KP) of every instance wgmma_config can return (the pairs' K, d_model, never reaches KP 8's).
+# (BT, KP) of every instance wgmma_config can return (the pairs' and the gate|up GEMMs' K, d_model,
+# never reaches KP 8's).
 WGMMA_LAUNCHED = tuple((bt, kp) for bt in (32, 64) for kp in WGMMA_KPS + (8,)) + ((128, 1), (256, 1))
 WGMMA_PAIR_LAUNCHED = tuple(c for c in WGMMA_LAUNCHED if c[1] < 8)
 
@@ -345,7 +351,8 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmq_q6_k.cu": tuple(mmq_instance("q6_k", v, sp) for v, sp in mmq_launched("q6_k")),
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
-    "wgmma_q4_k.cu": tuple(wgmma_instance(bt, kp=kp) for bt, kp in WGMMA_LAUNCHED),
+    "wgmma_q4_k.cu": (tuple(wgmma_instance(bt, kp=kp) for bt, kp in WGMMA_LAUNCHED)
+                      + tuple(wgmma_swiglu_instance(bt, kp=kp) for bt, kp in WGMMA_PAIR_LAUNCHED)),
     "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
     "wgmma_pair.cu": tuple(wgmma_pair_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_PAIR_LAUNCHED),
     "wgmma_act.cu": ("wgmma_tile_x16",),

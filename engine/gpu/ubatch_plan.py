@@ -15,14 +15,32 @@ model's layer GEMMs (ties: the largest U, so the fewest ubatches); one ubatch wh
 plain ubatches below 512 (tests' small ubatches keep their split). The model
 ignores attention (its work over a prompt hardly depends on the split) and the per-ubatch
 launches (a few per mille of a 4,096-token ubatch).
+
+default_ubatch(): the ubatch size itself (DEFAULT_UBATCH or GGUF_PREFILL_UBATCH).
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Callable
 
+from engine.errors import GGUFError
 from engine.gpu import registry
 from engine.gpu.ops.wgmma import ROWS
+
+DEFAULT_UBATCH = 4096
+
+
+def default_ubatch() -> int:
+    """DEFAULT_UBATCH, or GGUF_PREFILL_UBATCH (tokens per prompt forward: larger takes more
+    activation memory; A/B runs of long prompts)."""
+    env = os.environ.get("GGUF_PREFILL_UBATCH", "").strip()
+    if not env:
+        return DEFAULT_UBATCH
+    if not env.isdigit() or int(env) < 1:
+        raise GGUFError(f"GGUF_PREFILL_UBATCH={env!r}: a token count >= 1")
+    return int(env)
+
 
 STEP = 256                       # candidate ubatch sizes: multiples of the large token tile
 

@@ -6,6 +6,7 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
     y = wgmma_q4k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q4_K [N, K] -> float32 [T, N]
     y = wgmma_q6k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q6_K (padded or raw), same xt
     ya, yb = wgmma_pair(wa, wb, xt, T, out_a, out_b)  # q4_K wa and q6_K wb in one launch (wgmma_pair.cu)
+    ht = wgmma_swiglu(w_gate_up, xt, T, out)          # q4_K [gate; up] -> tiled f16 of silu(g) * u
 
 Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts),
 256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
@@ -153,6 +154,38 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
       (wa.data, outs[0], np.int32(wa.rows), wb.data, outs[1], np.int32(wb.rows), xt, np.int32(T), np.int32(K)),
       shared_mem=smem)
     return tuple(outs)
+
+
+def swiglu_fusable(weight: DeviceWeight, T: int) -> bool:
+    """Whether wgmma_swiglu takes this [gate; up] weight at T tokens: q4_K, F = rows / 2 a multiple
+    of 256 (the down GEMM's operand), and a production K split that has an instance (KP < 8)."""
+    return (weight.ggml_type == GGML_Q4_K and weight.rows % 512 == 0 and T > 0
+            and registry.wgmma_config(T, weight.rows, weight.cols)[1] < 8)
+
+
+def wgmma_swiglu(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None,
+                 kp: int | None = None):
+    """The gate|up GEMM with SwiGLU fused: weight = [gate; up] q4_K (2 F rows, gate first), xt as
+    wgmma_q4k's; out = the tiled f16 operand [T, F] of the down GEMM (tiled_buffer(T, F): tokens
+    past T are not written) holding h = silu(gate) * up, bit for bit what wgmma_q4k with the same
+    bt, stages, kp and then activation.swiglu_x16 make (kernels_cu/wgmma_common.cuh SWIGLU)."""
+    if weight.ggml_type != GGML_Q4_K:
+        raise ValueError(f"wgmma_swiglu: weight type {weight.type_name} is not q4_K")
+    N, K = weight.rows, weight.cols
+    if N % 512:
+        raise ValueError(f"wgmma_swiglu: {N} rows is not 2 x a multiple of 256 (gate and up of F % 256 == 0)")
+    F = N // 2
+    check_dev(xt, np.float16, tiled_shape(T, K), "wgmma_swiglu activations")
+    if out is None:
+        out = tiled_buffer(T, F)
+    check_dev(out, np.float16, tiled_shape(T, F), "wgmma_swiglu out")
+    if T == 0:
+        return out
+    bt, stages, kp, smem = _config("wgmma_swiglu", T, N, K, bt, stages, kp)
+    k = kernels.get_kernel(FILE, registry.wgmma_swiglu_instance(bt, stages, kp), dynamic_smem=smem)
+    k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
+      shared_mem=smem)
+    return out
 
 
 def pairs(weights) -> bool:
