@@ -26,13 +26,6 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 #endif
 }
 
-// An activation load: read-only global (__ldg), or XS: from shared memory.
-template <bool XS, class T>
-__device__ __forceinline__ T ld_act(const T* p) {
-    if constexpr (XS) return *p;
-    else return __ldg(p);
-}
-
 // SiLU and the q8_1 warp block of the decode kernels: numerics.cuh in the RnFtz policy (the
 // ftz intrinsics; quantize_q8_1.cu runs the same block in RnExact, prefill swiglu.cu the same
 // SiLU in RnDivExact: merging them would change production machine code).
@@ -41,57 +34,6 @@ __device__ __forceinline__ float silu_ref(float g) { return silu<RnFtz>(g); }
 // q8_1 of one 32-value block, lane i holding x_i; every lane writes its q, lane 0 writes (d, s).
 __device__ __forceinline__ void q8_1_warp(float x, i8* __restrict__ q, float2* __restrict__ ds) {
     q8_1_warp32<RnFtz>(x, q, ds, threadIdx.x & 31);
-}
-
-// ---------------------------------------------------------------- rmsnorm + q8_1 of one block
-
-#define RMS_NT 1024
-#define RMS_MAXJ 8                           // K <= RMS_NT * RMS_MAXJ (ops.norm.RMSNORM_MAX_K)
-
-// h = (x * (1 / sqrt(mean(x^2) + eps))) * w and its q8_1, by a block of RMS_NT threads: the sum of
-// squares in one fixed order (thread t adds x[t], x[t + 1024], ... in turn; warp, then block
-// butterflies), then the 1024-value slices blockIdx.x, blockIdx.x + gridDim.x, ... (ALL: every
-// slice): slice s's value t is thread t's own x[t + 1024 s], and warp w writes q8_1 group
-// 32 s + w (q, ds: global or shared memory). So any grid gives the same bits (decode_fused.cu
-// rmsnorm_q8 over ceil(K / 1024) blocks; ALL: a GEMV block normalizing its whole input itself).
-// hout: h as float32, or null.
-template <bool ALL>
-__device__ __forceinline__ void rms_q8_block(const float* __restrict__ x, const float* __restrict__ w, float eps,
-                                             int K, i8* __restrict__ q, float2* __restrict__ ds,
-                                             float* __restrict__ hout) {
-    __shared__ float red[RMS_NT / 32];
-    __shared__ float rscale;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float xv[RMS_MAXJ];                      // all loads issued before the first add
-#pragma unroll
-    for (int j = 0; j < RMS_MAXJ; ++j) xv[j] = tid + j * RMS_NT < K ? x[tid + j * RMS_NT] : 0.0f;
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < RMS_MAXJ; ++j)
-        if (tid + j * RMS_NT < K) ss += xv[j] * xv[j];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float t = red[lane];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-        if (lane == 0) {
-            const float ms = __fdiv_rn(t, (float)K);
-            rscale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
-        }
-    }
-    __syncthreads();
-    const float r = rscale;
-#pragma unroll
-    for (int j = 0; j < RMS_MAXJ; ++j) {
-        const int k = tid + j * RMS_NT;      // K is a multiple of 32: whole warps in or out
-        if ((!ALL && j % gridDim.x != blockIdx.x) || k >= K) continue;
-        const float h = __fmul_rn(__fmul_rn(xv[j], r), w[k]);
-        if (hout) hout[k] = h;
-        q8_1_warp(h, q + k, ds + (k >> 5));
-    }
 }
 
 // ---------------------------------------------------------------- MMVQ epilogue

@@ -68,14 +68,51 @@ decode_embed(const u8* __restrict__ W, long long row_bytes, int wtype, int bstri
 
 // ---------------------------------------------------------------- rmsnorm + q8_1
 
-// rmsnorm_q8: decode_common.cuh rms_q8_block (every block computes the same sum of squares in
-// the order of one 1024-thread block), quantizing the 1024-value slices b, b + gridDim.x, ...; the
-// decode step launches ceil(K / 1024) blocks (one q8_1 group per warp, written in parallel).
+#define RMS_NT 1024
+#define RMS_MAXJ 8                           // K <= RMS_NT * RMS_MAXJ (ops.norm.RMSNORM_MAX_K)
+
+// Every block computes the same sum of squares in the order of one 1024-thread block (thread t
+// adds x[t], x[t + 1024], ... in turn; warp, then block butterflies), then quantizes the 1024-value
+// slices b, b + gridDim.x, ...: slice s's value t is the thread's own x[t + 1024 s], and warp w
+// writes its q8_1 group 32 s + w. So any grid gives the one-block bits; the decode step launches
+// ceil(K / 1024) blocks (one group per warp: the groups are written in parallel, not in turn).
 extern "C" __global__ void __launch_bounds__(RMS_NT)
 rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w, float eps, int K,
            i8* __restrict__ q, float2* __restrict__ ds, float* __restrict__ hout) {
     pdl_entry_trigger();
-    rms_q8_block<false>(x, w, eps, K, q, ds, hout);
+    __shared__ float red[RMS_NT / 32];
+    __shared__ float rscale;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float xv[RMS_MAXJ];                      // all loads issued before the first add
+#pragma unroll
+    for (int j = 0; j < RMS_MAXJ; ++j) xv[j] = tid + j * RMS_NT < K ? x[tid + j * RMS_NT] : 0.0f;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < RMS_MAXJ; ++j)
+        if (tid + j * RMS_NT < K) ss += xv[j] * xv[j];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float t = red[lane];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+        if (lane == 0) {
+            const float ms = __fdiv_rn(t, (float)K);
+            rscale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+        }
+    }
+    __syncthreads();
+    const float r = rscale;
+#pragma unroll
+    for (int j = 0; j < RMS_MAXJ; ++j) {
+        const int k = tid + j * RMS_NT;      // K is a multiple of 32: whole warps in or out
+        if (j % gridDim.x != blockIdx.x || k >= K) continue;
+        const float h = __fmul_rn(__fmul_rn(xv[j], r), w[k]);
+        if (hout) hout[k] = h;
+        q8_1_warp(h, q + k, ds + (k >> 5));
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256)

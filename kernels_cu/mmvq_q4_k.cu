@@ -69,7 +69,7 @@ __device__ __forceinline__ float q4k_slot(const uint4& hdr, const uint4& qs, int
 
 // ---------------------------------------------------------------- q4_K body
 
-template <int R, int MODE, int NW = MMVQ_NW, bool XS = false>
+template <int R, int MODE, int NW = MMVQ_NW>
 __device__ __forceinline__ void mmvq_q4_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
@@ -111,9 +111,9 @@ __device__ __forceinline__ void mmvq_q4_k_body(
 #pragma unroll MMVQ_UNROLL
     for (int sb = lane >> 3; sb < nb; sb += 4) {
         const int g0 = sb * 8 + 2 * c;
-        const uint4 xa = ld_act<XS>(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
-        const uint4 xb = ld_act<XS>(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
-        const float2 da = ld_act<XS>(xds + g0), db = ld_act<XS>(xds + g0 + 1);
+        const uint4 xa = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 16 * h));
+        const uint4 xb = __ldg(reinterpret_cast<const uint4*>(xq + g0 * 32 + 32 + 16 * h));
+        const float2 da = __ldg(xds + g0), db = __ldg(xds + g0 + 1);
         uint4 hdr[NR], qs[NR];
 #pragma unroll
         for (int i = 0; i < NR; ++i) {
@@ -154,21 +154,5 @@ mmvq_q4_k_swiglu_q8(const u8* __restrict__ gate, const u8* __restrict__ up, int 
                     const float2* __restrict__ xds, int K, i8* __restrict__ hq, float2* __restrict__ hds) {
     mmvq_q4_k_body<1, 3, 32>(gate, up, gate, nullptr, reinterpret_cast<float*>(hq), reinterpret_cast<float*>(hds),
                              F, 0, 0, gridDim.x, gridDim.x, xq, xds, K);
-}
-
-// The same with the ffn norm in front: every block computes a = q8_1(rmsnorm(x) * nw) of the
-// whole residual row x (K <= 8,192) into shared memory itself (decode_common.cuh rms_q8_block,
-// decode_fused.cu rmsnorm_q8's bits), so the rmsnorm_q8 launch before it goes too.
-extern "C" __global__ void __launch_bounds__(1024, 1)
-mmvq_q4_k_norm_swiglu_q8(const u8* __restrict__ gate, const u8* __restrict__ up, int F, const float* __restrict__ x,
-                         const float* __restrict__ nw, float eps, int K, i8* __restrict__ hq,
-                         float2* __restrict__ hds) {
-    __shared__ __align__(16) i8 aq[RMS_NT * RMS_MAXJ];
-    __shared__ float2 ads[RMS_NT * RMS_MAXJ / 32];
-    pdl_entry_trigger();
-    rms_q8_block<true>(x, nw, eps, K, aq, ads, nullptr);
-    __syncthreads();
-    mmvq_q4_k_body<1, 3, 32, true>(gate, up, gate, nullptr, reinterpret_cast<float*>(hq),
-                                   reinterpret_cast<float*>(hds), F, 0, 0, gridDim.x, gridDim.x, aq, ads, K);
 }
 #endif

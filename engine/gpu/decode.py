@@ -15,9 +15,7 @@ A decode step (one token at position p = the cache length before it) is:
         h = silu(Wg a) * (Wu a)                        mmvq (swiglu: gate and up in one launch)
         x += Wd q8_1(h)                                quantize_row_q8 + mmvq (add); with the
                                                        switch DEC_SWIGLU_Q8=1 the q4_K swiglu GEMV
-                                                       writes q8_1(h) itself (mmvq swiglu_q8);
-                                                       DEC_NORM_GEMV=1: its blocks also make a
-                                                       from x (ffn rmsnorm_q8 folded in)
+                                                       writes q8_1(h) itself (mmvq swiglu_q8)
     logits = Wout q8_1(rmsnorm(x) * output_norm)       rmsnorm_q8 + mmvq (store)
     token = argmax(logits); p += 1                     argmax.cu  (writes the next step's input)
 
@@ -137,8 +135,6 @@ class DecodeStep:
         # the gate/up GEMV writing the down GEMV's q8_1 input itself (ops.mmvq.mmvq_swiglu_q8_launch):
         # switch DEC_SWIGLU_Q8=1 of GGUF_PREFILL_KERNEL_DEFINES, off until measured
         swiglu_q8 = kernels.define_value("DEC_SWIGLU_Q8", 0)
-        # DEC_NORM_GEMV=1: that GEMV, its blocks also making their input from x (no ffn rmsnorm_q8)
-        norm_gemv = kernels.define_value("DEC_NORM_GEMV", 0)
         post = _k("decode_fused.cu", "qkv_post_" + cache.dtype)
         n_post = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // 2 + kvd
         q_out, k_out, v_out = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
@@ -176,13 +172,9 @@ class DecodeStep:
                              cfg.head_dim, cache.dtype, self.n_split, self.part_o, self.part_ml,
                              self.act_q.q, self.act_q.ds)
             mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add")
-            gu_q8 = (swiglu_q8 or norm_gemv) and swiglu_q8_takes(W["ffn_gate"], W["ffn_up"])  # q8_1(h) from it
-            fused_norm = norm_gemv and gu_q8
-            if not fused_norm:
-                norm(L.ffn_norm)
-            if gu_q8:
-                mmvq_swiglu_q8_launch(W["ffn_gate"], W["ffn_up"], self.act_d.q, self.act_d.ds, *self.act_ff,
-                                      norm=(self.x, L.ffn_norm, self.eps) if fused_norm else None)
+            norm(L.ffn_norm)
+            if swiglu_q8 and swiglu_q8_takes(W["ffn_gate"], W["ffn_up"]):     # q8_1(h) from the GEMV
+                mmvq_swiglu_q8_launch(W["ffn_gate"], W["ffn_up"], self.act_d.q, self.act_d.ds, *self.act_ff)
             else:
                 if same_launch(W["ffn_gate"], W["ffn_up"]):
                     mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")

@@ -14,7 +14,6 @@ MMVQ_NW = 4               # warps (one row each) per MMVQ block: decode_common.c
 ROWS_PER_WARP = 1         # mmvq_*.cu instances (perf-log decode run 2; other arms: dev/RETIRED.md)
 KERNEL_FILE = {"q4_k": "mmvq_q4_k.cu", "q6_k": "mmvq_q6_k.cu"}
 MIXED_FILE = "mmvq_mixed.cu"
-NORM_MAX_K = 8192         # decode_common.cuh RMS_NT * RMS_MAXJ: the rows a block normalizes itself
 
 
 def mmvq_warps() -> int:
@@ -95,21 +94,12 @@ def swiglu_q8_takes(gate, up) -> bool:
             and int(gate.rows) % 32 == 0)
 
 
-def mmvq_swiglu_q8_launch(gate, up, xq, xds, hq, hds, norm=None) -> None:
-    """(hq, hds) = q8_1 of h = silu(Wg a) * (Wu a) for one q8_1 row a = (xq, xds) (mmvq_q4_k.cu
+def mmvq_swiglu_q8_launch(gate, up, xq, xds, hq, hds) -> None:
+    """(hq, hds) = q8_1 of h = silu(Wg x) * (Wu x) for one q8_1 row x (mmvq_q4_k.cu
     mmvq_q4_k_swiglu_q8: hq int8 [F], hds float32 [F/32, 2]), the bits of mmvq_launch(...,
-    "swiglu") and decode_fused.cu quantize_row_q8 on its output. norm = (x, w, eps): a is
-    q8_1(rmsnorm(x) * w) of the float32 row x, made by every block itself (rmsnorm_q8's bits;
-    mmvq_q4_k_norm_swiglu_q8), and xq, xds are not read."""
+    "swiglu") and decode_fused.cu quantize_row_q8 on its output."""
     if not swiglu_q8_takes(gate, up):
         raise ValueError("mmvq swiglu_q8: needs q4_K (gate, up) of one shape with rows % 32 == 0")
-    F, K = int(gate.rows), int(gate.cols)
-    if norm is None:
-        k = kernels.get_kernel(KERNEL_FILE["q4_k"], registry.MMVQ_SWIGLU_Q8)
-        k((F // 32,), (1024,), (gate.data, up.data, np.int32(F), xq, xds, np.int32(K), hq, hds))
-        return
-    x, w, eps = norm
-    if K > NORM_MAX_K:
-        raise ValueError(f"mmvq norm_swiglu_q8: K={K} above {NORM_MAX_K} (decode_common.cuh RMS_NT * RMS_MAXJ)")
-    k = kernels.get_kernel(KERNEL_FILE["q4_k"], registry.MMVQ_NORM_SWIGLU_Q8)
-    k((F // 32,), (1024,), (gate.data, up.data, np.int32(F), x, w, np.float32(eps), np.int32(K), hq, hds))
+    F = int(gate.rows)
+    k = kernels.get_kernel(KERNEL_FILE["q4_k"], registry.MMVQ_SWIGLU_Q8)
+    k((F // 32,), (1024,), (gate.data, up.data, np.int32(F), xq, xds, np.int32(gate.cols), hq, hds))
