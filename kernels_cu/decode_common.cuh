@@ -63,19 +63,3 @@ __device__ __forceinline__ void mmvq_epilogue(float (&acc)[NR], bool active, int
         else Y[n] += v;
     }
 }
-
-// MODE 3 (mmvq_q4_k_swiglu_q8, 32 warps of one row each): h = silu(gate) * up of row 32 blk + warp
-// (MODE 2's arithmetic), then q8_1 of the block's 32 h into group blk (quantize_row_q8's).
-__device__ __forceinline__ void mmvq_swiglu_q8_tail(float (&acc)[2], int blk, i8* __restrict__ q,
-                                                    float2* __restrict__ ds) {
-    __shared__ float h[32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-    }
-    if (lane == 0) h[warp] = __fmul_rn(silu_ref(acc[0]), acc[1]);
-    __syncthreads();
-    if (warp == 0) q8_1_warp(h[lane], q + 32 * blk + lane, ds + blk);
-}

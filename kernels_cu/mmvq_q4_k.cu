@@ -24,9 +24,8 @@
 //   MODE 1 add   : y_0[n] += dot                (residual add; one segment)
 //   MODE 2 swiglu: y_0[n] = silu(dot_gate) * dot_up with gate = w0, up = w1 (same rows);
 //                  silu(g) = g / (1 + exp(-g)) as in engine/reference.py.
-//   MODE 3 swiglu_q8: MODE 2's h quantized to q8_1 in the kernel (mmvq_q4_k_swiglu_q8, below).
 // R = 1 row per warp in production (the R loops stay: the rows-per-warp and load-batch arms
-// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu|swiglu_q8}.
+// were retired, dev/RETIRED.md). Kernel names: mmvq_q4_k_{store|add|swiglu}.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -69,14 +68,13 @@ __device__ __forceinline__ float q4k_slot(const uint4& hdr, const uint4& qs, int
 
 // ---------------------------------------------------------------- q4_K body
 
-template <int R, int MODE, int NW = MMVQ_NW>
+template <int R, int MODE>
 __device__ __forceinline__ void mmvq_q4_k_body(
     const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
     float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
     int n0, int n1, int n2, int nb1, int nb2,
     const i8* __restrict__ xq, const float2* __restrict__ xds, int K) {
-    constexpr bool GU = MODE == 2 || MODE == 3;    // (gate, up) row pairs
-    constexpr int NR = GU ? 2 * R : R;
+    constexpr int NR = (MODE == 2) ? 2 * R : R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int blk = blockIdx.x;
     const u8* W;
@@ -89,7 +87,7 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     } else {
         blk -= nb2; W = w2; Y = y2; N = n2;
     }
-    const int row0 = (blk * NW + warp) * R;
+    const int row0 = (blk * MMVQ_NW + warp) * R;
     const bool active = row0 < N;                // whole warps; inactive ones skip the loads
     const int nb = active ? (K >> 8) : 0;
     const size_t rb = (size_t)(K >> 8) * 144;
@@ -98,7 +96,7 @@ __device__ __forceinline__ void mmvq_q4_k_body(
     for (int i = 0; i < R; ++i) {
         const int r = max(0, min(row0 + i, N - 1));   // rows past N: read row N-1, never stored
         rows[i] = W + (size_t)r * rb;
-        if (GU) rows[R + i] = w1 + (size_t)r * rb;
+        if (MODE == 2) rows[R + i] = w1 + (size_t)r * rb;
     }
     const int j = lane & 7, c = j >> 1, h = j & 1;
     float acc[NR];
@@ -124,10 +122,7 @@ __device__ __forceinline__ void mmvq_q4_k_body(
 #pragma unroll
         for (int i = 0; i < NR; ++i) acc[i] += q4k_slot(hdr[i], qs[i], c, h, xa, xb, da, db);
     }
-    if constexpr (MODE == 3)       // y1, y2: the q8_1 output (q, ds) of mmvq_q4_k_swiglu_q8
-        mmvq_swiglu_q8_tail(acc, blk, reinterpret_cast<i8*>(y1), reinterpret_cast<float2*>(y2));
-    else
-        mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
+    mmvq_epilogue<R, MODE, NR>(acc, active, row0, N, Y);
 }
 
 #define MMVQ_Q4K_INSTANCE(MODE, NAME)                                                         \
@@ -144,15 +139,4 @@ __device__ __forceinline__ void mmvq_q4_k_body(
 MMVQ_Q4K_INSTANCE(0, store)
 MMVQ_Q4K_INSTANCE(1, add)
 MMVQ_Q4K_INSTANCE(2, swiglu)
-
-// MODE 3 (swiglu_q8): the swiglu GEMV with the down GEMV's q8_1 input as its output. A block is
-// 32 warps, the 32 rows of one q8_1 group (F % 32 == 0, grid F / 32), so it quantizes its own
-// group (decode_common.cuh mmvq_swiglu_q8_tail): the bits of mmvq_q4_k_swiglu + quantize_row_q8,
-// one launch instead of two, no tickets. At most 64 registers (1,024 threads, one block per SM).
-extern "C" __global__ void __launch_bounds__(1024, 1)
-mmvq_q4_k_swiglu_q8(const u8* __restrict__ gate, const u8* __restrict__ up, int F, const i8* __restrict__ xq,
-                    const float2* __restrict__ xds, int K, i8* __restrict__ hq, float2* __restrict__ hds) {
-    mmvq_q4_k_body<1, 3, 32>(gate, up, gate, nullptr, reinterpret_cast<float*>(hq), reinterpret_cast<float*>(hds),
-                             F, 0, 0, gridDim.x, gridDim.x, xq, xds, K);
-}
 #endif

@@ -487,54 +487,6 @@ def test_quantize_row_q8(cp, rng):
         assert (gds[:, 1].view(np.uint32) == rs[0].view(np.uint32)).all()
 
 
-def test_mmvq_swiglu_q8_equals_swiglu_then_quantize(cp, rng):
-    """mmvq_q4_k_swiglu_q8 (32 rows a block, q8_1 of h written by the block) == mmvq swiglu, then
-    quantize_row_q8 on its output, bit for bit (q, d, s); the first group all zero (gate rows
-    with d = dmin = 0)."""
-    from engine.gpu import kernels
-    from engine.gpu.ops.mmvq import mmvq_launch, mmvq_swiglu_q8_launch, swiglu_q8_takes
-    from engine.gpu.weights import upload_weight
-
-    qrow = kernels.get_kernel("decode_fused.cu", "quantize_row_q8")
-    for F, K in ((32, 256), (96, 1536) if EMU else (11008, 4096), (64, 2048)):
-        g = rand_rows(rng, "q4_k", F, K)
-        for b in range(K // Q.QK_K):
-            g[:32, b * Q.Q4_K_BYTES:b * Q.Q4_K_BYTES + 4] = 0         # d, dmin of the first group's rows
-        gate, up = upload_weight(g, "Q4_K"), upload_weight(rand_rows(rng, "q4_k", F, K), "Q4_K")
-        assert swiglu_q8_takes(gate, up)
-        x = (rng.standard_normal((1, K)) * 10.0 ** rng.uniform(-2, 2)).astype(np.float32)
-        xq, xds = upload_act(cp, *Q.quantize_q8_1(x))
-        h = cp.full(F, np.nan, dtype=cp.float32)
-        mmvq_launch([gate, up], [h], xq, xds, "swiglu")
-        outs = []
-        for fused in (False, True):
-            q, ds = cp.full(F, 127, dtype=cp.int8), cp.full((F // 32, 2), np.nan, dtype=cp.float32)
-            if fused:
-                mmvq_swiglu_q8_launch(gate, up, xq, xds, q, ds)
-            else:
-                qrow((-(-F // 256),), (256,), (h, q, ds, np.int32(F // 32)))
-            outs.append((cp.asnumpy(q), cp.asnumpy(ds).view(np.uint32)))
-        assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1]), (F, K)
-        assert not outs[1][0][:32].any()
-
-
-def test_decode_swiglu_q8_switch_same_bits(cp, rng, tiny_path, monkeypatch):
-    """DEC_SWIGLU_Q8=1 (the gate/up GEMV writing q8_1(h), no quantize_row_q8 launch): the same
-    logits bit for bit over every step as the default step."""
-    from engine.gpu import decode
-
-    model = _gpu_model(tiny_path)
-    ids = rng.integers(0, model.config.vocab_size, 6 if EMU else 24).tolist()
-    want = _step_logits(model, ids)
-    fused = []
-    launch = decode.mmvq_swiglu_q8_launch
-    monkeypatch.setattr(decode, "mmvq_swiglu_q8_launch", lambda *a: fused.append(1) or launch(*a))
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "DEC_SWIGLU_Q8=1")
-    got = _step_logits(model, ids)
-    assert len(fused) >= model.config.n_layers          # every layer's (the first step records them)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
 QKV_POST_CASES = [("f16", "htd")] + ([("f32", "thd")] if "f32" in _kv_dtypes() else [])
 
 

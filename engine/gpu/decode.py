@@ -13,9 +13,7 @@ A decode step (one token at position p = the cache length before it) is:
         x += Wo o                                      mmvq (add)
         a = q8_1(rmsnorm(x) * ffn_norm)                rmsnorm_q8
         h = silu(Wg a) * (Wu a)                        mmvq (swiglu: gate and up in one launch)
-        x += Wd q8_1(h)                                quantize_row_q8 + mmvq (add); with the
-                                                       switch DEC_SWIGLU_Q8=1 the q4_K swiglu GEMV
-                                                       writes q8_1(h) itself (mmvq swiglu_q8)
+        x += Wd q8_1(h)                                quantize_row_q8 + mmvq (add)
     logits = Wout q8_1(rmsnorm(x) * output_norm)       rmsnorm_q8 + mmvq (store)
     token = argmax(logits); p += 1                     argmax.cu  (writes the next step's input)
 
@@ -45,7 +43,7 @@ from engine.errors import GGUFError
 from engine.gpu import kernels
 from engine.gpu.launch import capture_graph
 from engine.gpu.ops.attention import attention_launch, attention_splits
-from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch, mmvq_swiglu_q8_launch, swiglu_q8_takes
+from engine.gpu.ops.mmvq import mixes, mmvq_launch, mmvq_mixed_launch
 
 HIST_CAP = 4096           # emitted ids `chain` can return per call
 
@@ -132,9 +130,6 @@ class DecodeStep:
             self.state, self.x, np.int32(d)))
         rms = _k("decode_fused.cu", "rmsnorm_q8")
         qrow = _k("decode_fused.cu", "quantize_row_q8")
-        # the gate/up GEMV writing the down GEMV's q8_1 input itself (ops.mmvq.mmvq_swiglu_q8_launch):
-        # switch DEC_SWIGLU_Q8=1 of GGUF_PREFILL_KERNEL_DEFINES, off until measured
-        swiglu_q8 = kernels.define_value("DEC_SWIGLU_Q8", 0)
         post = _k("decode_fused.cu", "qkv_post_" + cache.dtype)
         n_post = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // 2 + kvd
         q_out, k_out, v_out = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
@@ -173,19 +168,16 @@ class DecodeStep:
                              self.act_q.q, self.act_q.ds)
             mmvq_launch([L.wo], [self.x], self.act_q.q, self.act_q.ds, "add")
             norm(L.ffn_norm)
-            if swiglu_q8 and swiglu_q8_takes(W["ffn_gate"], W["ffn_up"]):     # q8_1(h) from the GEMV
-                mmvq_swiglu_q8_launch(W["ffn_gate"], W["ffn_up"], self.act_d.q, self.act_d.ds, *self.act_ff)
+            if same_launch(W["ffn_gate"], W["ffn_up"]):
+                mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
             else:
-                if same_launch(W["ffn_gate"], W["ffn_up"]):
-                    mmvq_launch([W["ffn_gate"], W["ffn_up"]], [self.hff], self.act_d.q, self.act_d.ds, "swiglu")
-                else:
-                    mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
-                    mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
-                    ff = cfg.d_ff
-                    _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
-                                                                                   np.int32(ff)))
-                qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
-                                                      np.int32(cfg.d_ff // 32)))
+                mmvq_launch([W["ffn_gate"]], [self.ffa], self.act_d.q, self.act_d.ds, "store")
+                mmvq_launch([W["ffn_up"]], [self.ffb], self.act_d.q, self.act_d.ds, "store")
+                ff = cfg.d_ff
+                _k("decode_fused.cu", "swiglu_mul")((-(-ff // 256),), (256,), (self.ffa, self.ffb, self.hff,
+                                                                               np.int32(ff)))
+            qrow((-(-cfg.d_ff // 256),), (256,), (self.hff, self.act_ff.q, self.act_ff.ds,
+                                                  np.int32(cfg.d_ff // 32)))
             mmvq_launch([L.down], [self.x], self.act_ff.q, self.act_ff.ds, "add")
             norm(layers[i + 1].attn_norm if i + 1 < len(layers) else m.output_norm)
         mmvq_launch([m.output_w], [self.logits], self.act_d.q, self.act_d.ds, "store")

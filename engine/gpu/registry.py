@@ -270,7 +270,6 @@ WGMMA_PAIR_LAUNCHED = tuple(c for c in WGMMA_LAUNCHED if c[1] < 8)
 # ----------------------------------------------------------------------------- decode
 
 MMVQ_MODES = ("store", "add", "swiglu")   # mmvq_*.cu MODE 0, 1, 2
-MMVQ_SWIGLU_Q8 = "mmvq_q4_k_swiglu_q8"     # MODE 3: q4_K gate / up -> the q8_1 of h (32 rows a block)
 ATTN_HEAD_DIMS = (64, 128)
 ATTN_GROUPS = (1, 2, 4, 6, 7, 8)          # query heads per KV head (GQA)
 KV_DTYPES = ("f16", "f32")
@@ -360,7 +359,7 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",
                         "swiglu_mul", "set_state"),
-    "mmvq_q4_k.cu": tuple(mmvq_name("q4_k", m) for m in MMVQ_MODES) + (MMVQ_SWIGLU_Q8,),
+    "mmvq_q4_k.cu": tuple(mmvq_name("q4_k", m) for m in MMVQ_MODES),
     "mmvq_q6_k.cu": tuple(mmvq_name("q6_k", m, p) for p in (True, False) for m in MMVQ_MODES),
     "mmvq_mixed.cu": tuple(mmvq_mixed_name(p) for p in (True, False)),
     "attention_decode.cu": tuple(attn_split_name(h, g, t) for g in ATTN_GROUPS for h in ATTN_HEAD_DIMS

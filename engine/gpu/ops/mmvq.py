@@ -1,7 +1,6 @@
 """MMVQ: y = W x for one q8_1 row (the decode GEMVs, mmvq_q4_k.cu / mmvq_q6_k.cu) with their
-epilogues (store / add / swiglu), q4_K beside q6_K matrices in one store launch
-(mmvq_mixed.cu), and the q4_K swiglu writing the q8_1 of its output (mmvq_swiglu_q8_launch), on
-the current stream."""
+epilogues (store / add / swiglu), and q4_K beside q6_K matrices in one store launch
+(mmvq_mixed.cu), on the current stream."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -85,21 +84,3 @@ def mmvq_mixed_launch(weights: Sequence, outs: Sequence, xq, xds) -> None:
     padded = bool(getattr(weights[-1], "padded", False))
     k = kernels.get_kernel(MIXED_FILE, registry.mmvq_mixed_name(padded))
     k((grid,), (mmvq_warps() * 32,), args + (xq, xds, np.int32(weights[0].cols), np.int32(b6)))
-
-
-def swiglu_q8_takes(gate, up) -> bool:
-    """Whether mmvq_swiglu_q8_launch takes this (gate, up) pair: q4_K of the same shape, rows a
-    multiple of 32 (one q8_1 group per block)."""
-    return (gate.kind == up.kind == "q4_k" and gate.rows == up.rows and gate.cols == up.cols
-            and int(gate.rows) % 32 == 0)
-
-
-def mmvq_swiglu_q8_launch(gate, up, xq, xds, hq, hds) -> None:
-    """(hq, hds) = q8_1 of h = silu(Wg x) * (Wu x) for one q8_1 row x (mmvq_q4_k.cu
-    mmvq_q4_k_swiglu_q8: hq int8 [F], hds float32 [F/32, 2]), the bits of mmvq_launch(...,
-    "swiglu") and decode_fused.cu quantize_row_q8 on its output."""
-    if not swiglu_q8_takes(gate, up):
-        raise ValueError("mmvq swiglu_q8: needs q4_K (gate, up) of one shape with rows % 32 == 0")
-    F = int(gate.rows)
-    k = kernels.get_kernel(KERNEL_FILE["q4_k"], registry.MMVQ_SWIGLU_Q8)
-    k((F // 32,), (1024,), (gate.data, up.data, np.int32(F), xq, xds, np.int32(gate.cols), hq, hds))
