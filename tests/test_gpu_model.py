@@ -858,8 +858,9 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
     ubatches of >= wgmma_min_tokens tokens take it for every layer GEMM, shorter ones do not (q8_1
     MMQ); a q4_K | q6_K qkv group in one wgmma_pair launch; with q6_K left on MMQ that group gets
     both operand forms from one norm; the attention writing the Wo operand itself (attn_x16)
-    leaves the logits bit for bit and tile_x16 unlaunched, and so does the gate|up GEMM writing
-    the down GEMM's operand (WG_SWIGLU_EPI=1); the logits stay within the bound."""
+    leaves the logits bit for bit and tile_x16 unlaunched; the gate|up GEMM writes the down GEMM's
+    operand itself (wgmma_swiglu), with the logits of GEMM + swiglu_x16 (WG_SWIGLU_EPI=0) bit for
+    bit; the logits stay within the bound."""
     from engine.gpu import ops
     from engine.reference.model import ReferenceModel
     from engine.formats.weights import open_model
@@ -883,11 +884,14 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         planned = []                                               # what the wave model is given
         plan = gpu_model.plan_ubatches
         monkeypatch.setattr(gpu_model, "plan_ubatches", lambda n, u, gemms: planned.append(gemms) or plan(n, u, gemms))
+        fused = []
+        ws = ops.wgmma.wgmma_swiglu
+        monkeypatch.setattr(ops.wgmma, "wgmma_swiglu", lambda w, xt, T, out=None: fused.append(T) or ws(w, xt, T, out))
         g = GPUModel(mf, ubatch=64)
         g.wgmma_min_tokens = 64
         assert g.ubatch_bounds(150) == [(0, 64), (64, 128), (128, 150)]
         lg = g.forward(ids, g.new_cache(150), all_logits=True)     # ubatches 64, 64, 22
-        n_all = len(calls)
+        n_all, n_fused = len(calls), len(fused)
         tiled = []
         tx = ops.wgmma.tile_x16
         monkeypatch.setattr(ops.wgmma, "tile_x16", lambda x, out=None: tiled.append(x.shape) or tx(x, out=out))
@@ -896,26 +900,25 @@ def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
         g.attn_x16 = False
         g.forward(ids[:64], g.new_cache(64))
         n_tiled, n_before_q = len(tiled), len(calls)
-        fused = []
-        ws = ops.wgmma.wgmma_swiglu
-        monkeypatch.setattr(ops.wgmma, "wgmma_swiglu", lambda w, xt, T, out=None: fused.append(T) or ws(w, xt, T, out))
-        monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_SWIGLU_EPI=1")   # the gate|up GEMM's SwiGLU epilogue
+        n_swi = len(fused)
+        monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_SWIGLU_EPI=0")   # GEMM, then swiglu_x16
         ls = g.forward(ids, g.new_cache(150), all_logits=True)
         monkeypatch.delenv("GGUF_PREFILL_KERNEL_DEFINES")
+        assert len(fused) == n_swi                                  # the unfused pair ran instead
         n_before_q = len(calls)
         g.wgmma_kinds = frozenset({"q4_k"})
         lq = g.forward(ids, g.new_cache(150), all_logits=True)
     n_layers = mf.config.n_layers
     assert np.array_equal(lx, lg) and np.array_equal(ls, lg)
-    assert fused == [64] * (2 * n_layers)      # both 64-token ubatches, every layer
+    assert fused[:n_fused] == [64] * (2 * n_layers)      # both 64-token ubatches, every layer
     assert n_tiled == n_layers and tiled[0] == (64, mf.config.q_dim)  # the 64-token forward only
     assert {t for t, _ in calls} == {64} and {k for _, k in calls} == {"q4_k", "q6_k", "pair"}
     # every layer GEMM of the two long ubatches: qkv group (one launch, or one per type), Wo,
     # gate|up, down
     pairs = [ops.wgmma.pairs([s.w for s in L.qkv]) for L in g.layers]
-    assert any(pairs) and n_all == sum(2 * ((1 if p else len(L.qkv)) + 3) for p, L in zip(pairs, g.layers))
+    assert any(pairs) and n_all == sum(2 * ((1 if p else len(L.qkv)) + 2) for p, L in zip(pairs, g.layers))
     assert sum(k == "pair" for _, k in calls[:n_all]) == 2 * sum(pairs)
-    assert 2 * sum(planned[0].values()) == n_all   # the wave model sees the launches that ran
+    assert 2 * sum(planned[0].values()) == n_all + n_fused   # the wave model sees the launches that ran
     assert all(k != "pair" for _, k in calls[n_before_q:])     # q6_K on MMQ: no pair launch
     for out in (lg, lq):
         rel = np.linalg.norm(out - lr) / np.linalg.norm(lr)

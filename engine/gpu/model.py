@@ -32,9 +32,9 @@ Hopper (sm_90) ubatches of T >= wgmma_min_tokens run the layers' q4_K and q6_K G
 instead (engine/gpu/ops/wgmma.py: weights dequantized to f16 in registers, f32 accumulation): their
 input is the same float32 activation rounded to f16 in a tiled layout, written by the producers
 (rmsnorm.cu add_rmsnorm_x16, swiglu.cu swiglu_x16; the attention output through float32 and
-wgmma_act.cu); a producer whose consumers mix both paths writes both forms. With the switch
-WG_SWIGLU_EPI=1 (GGUF_PREFILL_KERNEL_DEFINES; off until measured) a q4_K gate|up GEMM writes
-the down GEMM's operand itself (ops.wgmma.wgmma_swiglu: no [T, 2 d_ff] f32, no swiglu_x16).
+wgmma_act.cu); a producer whose consumers mix both paths writes both forms. A q4_K gate|up
+GEMM writes the down GEMM's operand itself (ops.wgmma.wgmma_swiglu: no [T, 2 d_ff] f32, no
+swiglu_x16; WG_SWIGLU_EPI=0 in GGUF_PREFILL_KERNEL_DEFINES: the unfused pair, for A/B runs).
 
 Numerics: weights are the GGUF blocks (no dequantized copies); every MMQ GEMM input is q8_1
 (int8 + per-32 scale, like llama.cpp's MMQ), every wgmma GEMM input f16; Q, K, V and P are f16
@@ -440,13 +440,13 @@ class GPUModel:
 
     def _ffn_act(self, L, xt, bufs, role_cols):
         """silu(gate) * up of the ubatch into what the down GEMM reads: its tiled f16 operand
-        (returned; straight from the gate|up GEMM's epilogue where ops.wgmma.swiglu_fusable and
-        the switch WG_SWIGLU_EPI=1 of GGUF_PREFILL_KERNEL_DEFINES, until measured), or bufs.a_f."""
+        (returned; straight from the gate|up GEMM's epilogue where ops.wgmma.swiglu_fusable, unless
+        GGUF_PREFILL_KERNEL_DEFINES has WG_SWIGLU_EPI=0, for A/B runs), or bufs.a_f."""
         T, ff, segs = bufs.T, self.config.d_ff, L.gate_up
         down_x16 = self._on_wgmma(L.down, T)
         w = segs[0].w
         if (down_x16 and len(segs) == 1 and self._on_wgmma(w, T) and ops.wgmma.swiglu_fusable(w, T)
-                and kernels.define_value("WG_SWIGLU_EPI", 0)):
+                and kernels.define_value("WG_SWIGLU_EPI", 1)):
             out = bufs.xt(ff, slot=int(ff == w.cols))         # never the buffer it reads
             with self._span("gemm_q4_k_swiglu"):
                 return ops.wgmma.wgmma_swiglu(w, xt, T, out=out)

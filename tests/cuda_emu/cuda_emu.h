@@ -5,7 +5,7 @@
 // (tests/cuda_emu/emu.py assembles the source and generates one thunk per extern "C" kernel);
 // their GGP_EMU branches replace the PTX, this header supplies the CUDA built-ins. Each CUDA thread of a block is a fiber (ucontext) on one OS thread;
 // blocks run one after another, so `__shared__` can be `static`. __syncthreads / __syncwarp /
-// __shfl_xor_sync are barriers between fibers (threads that returned no longer count, as on the
+// __shfl_xor_sync / __shfl_down_sync (lanes past 31 keep their own value) are barriers between fibers (threads that returned no longer count, as on the
 // GPU); cp.async copies land late (emu_cp_async: at wait_group, at thread exit, or one arrival
 // at a time when the block is otherwise stuck); emu_bar_sync(id, count) is a named barrier
 // (bar.sync id, count: released when the threads waiting at id and those that passed it by
@@ -162,19 +162,28 @@ inline void emu_cp_async_arrive(void (*arrive)(unsigned), unsigned arg) {
     emu::g_cur->async.push_back(emu::AsyncOp{2, nullptr, {}, arrive, arg});
 }
 
-template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int off) {
+// The value of lane src(lane) of this warp (every lane of the warp calls it).
+template <class T, class Src>
+inline T emu_shfl(T v, Src src) {
     static_assert(sizeof(T) <= 8, "shuffle of a type over 8 bytes");
     const int w = emu::g_cur->warp, lane = (int)(threadIdx.x & 31);
     u64 bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
     emu::g_warp_buf[w][lane] = bits;
     emu::wait(emu::WAIT_WARP);
-    const u64 o = emu::g_warp_buf[w][lane ^ off];
+    const u64 o = emu::g_warp_buf[w][src(lane)];
     emu::wait(emu::WAIT_WARP);
     T r;
     std::memcpy(&r, &o, sizeof(T));
     return r;
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int off) {
+    return emu_shfl(v, [off](int lane) { return lane ^ off; });
+}
+template <class T>
+inline T __shfl_down_sync(unsigned, T v, int off) {
+    return emu_shfl(v, [off](int lane) { return lane + off < 32 ? lane + off : lane; });
 }
 
 extern "C" int emu_launch(void (*thunk)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
