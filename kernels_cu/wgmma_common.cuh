@@ -108,16 +108,9 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, 
     bulk_g2s(sbuf, src, bytes, bar);
 }
 
-// WG_EMPTY_MB=1 (an A/B define): no block barrier per stage. Each warp arrives on its buffer's
-// "empty" mbarrier (count 8) once its wgmmas of the stage retired, and only thread 0 waits on it
-// before the refill (the attention's AW_MB form), so a warpgroup is not held by the other's stage.
-#ifndef WG_EMPTY_MB
-#define WG_EMPTY_MB 0
-#endif
-
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
 // the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
-// them after the K loop), then one 8-byte mbarrier per stage (WG_EMPTY_MB: two, full then empty).
+// them after the K loop), then one 8-byte mbarrier per stage.
 template <int BT, int STAGES, int KP>
 constexpr u32 wg_stage_area() {
     return (KP > 1 && BT * 512 > STAGES * BT * WG_BK * 2) ? BT * 512 : STAGES * BT * WG_BK * 2;
@@ -162,14 +155,9 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const u32 copy_bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
     const u64 desc0 = wg_desc(s0, 128, 1024);                   // buffer b: + b * STAGE_BYTES
 
-    const u32 empties = bars + 8 * STAGES;                     // WG_EMPTY_MB: buffer b's at + 8 b
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
-        if constexpr (WG_EMPTY_MB) {
-#pragma unroll
-            for (int b = 0; b < STAGES; ++b) mbar_init(empties + 8 * b, WG_THREADS / 32);
-        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -211,14 +199,9 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
             wg_commit();
             wg_wait<1>();                              // stage l - 1 retired in this warpgroup
             const u32 ln = l - 1 + STAGES;             // refill buffer l - 1 once both warpgroups retired it
-            const u32 bn = ln % STAGES;                // = (l - 1) % STAGES: its emptying (l - 1) / STAGES
-            if constexpr (WG_EMPTY_MB) {
-                if (l >= 1 && lane == 0) mbar_arrive(empties + 8 * bn);
-            } else {
-                __syncthreads();
-            }
+            __syncthreads();
             if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
-                if constexpr (WG_EMPTY_MB) mbar_wait(empties + 8 * bn, ((l - 1) / STAGES) & 1);
+                const u32 bn = ln % STAGES;
                 wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
             }
         }

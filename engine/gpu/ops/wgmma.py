@@ -35,11 +35,11 @@ BK = 64               # WG_BK
 
 def smem_bytes(bt: int, stages: int, kp: int = 1) -> int:
     """wgmma_common.cuh wg_stage_area (the stage buffers; with kp > 1 at least the partial tile
-    of bt x 128 floats), then one 8-byte mbarrier per stage (two with the A/B define WG_EMPTY_MB)."""
+    of bt x 128 floats), then one 8-byte mbarrier per stage."""
     area = stages * bt * BK * 2
     if kp > 1:
         area = max(area, bt * ROWS * 4)
-    return area + 8 * stages * (2 if kernels.define_value("WG_EMPTY_MB", 0) else 1)
+    return area + 8 * stages
 
 
 def tiled_shape(T: int, K: int) -> tuple[int, int, int, int, int]:
