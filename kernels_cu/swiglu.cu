@@ -18,7 +18,6 @@
 #include "x16_tiles.cuh"
 
 // h = silu(g) * u: x16_tiles.cuh wg_swiglu_h (the gate|up GEMM's fused epilogue computes the same).
-__device__ __forceinline__ float sw_silu_mul(float g, float u) { return wg_swiglu_h(g, u); }
 
 // The q8_1 block below is rmsnorm.cu's (numerics.cuh q8_1_quad<RnDivExact>) written out:
 // through the shared helper this kernel's machine code changes (dev/kernel_identity.py).
@@ -37,8 +36,8 @@ swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long 
         gv = *reinterpret_cast<const float4*>(g + t * ld + 4 * c);
         uv = *reinterpret_cast<const float4*>(u + t * ld + 4 * c);
     }
-    float h[4] = {sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y), sw_silu_mul(gv.z, uv.z),
-                  sw_silu_mul(gv.w, uv.w)};
+    float h[4] = {wg_swiglu_h(gv.x, uv.x), wg_swiglu_h(gv.y, uv.y), wg_swiglu_h(gv.z, uv.z),
+                  wg_swiglu_h(gv.w, uv.w)};
     float amax = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
@@ -74,8 +73,8 @@ swiglu_x16(const float* __restrict__ g, const float* __restrict__ u, long long l
         const size_t off = (size_t)(n0 + r) * ld + k0 + k;
         const float4 gv = *reinterpret_cast<const float4*>(g + off);
         const float4 uv = *reinterpret_cast<const float4*>(u + off);
-        wg_store_quad(tile, r, k, 1, sw_silu_mul(gv.x, uv.x), sw_silu_mul(gv.y, uv.y),
-                      sw_silu_mul(gv.z, uv.z), sw_silu_mul(gv.w, uv.w));
+        wg_store_quad(tile, r, k, 1, wg_swiglu_h(gv.x, uv.x), wg_swiglu_h(gv.y, uv.y),
+                      wg_swiglu_h(gv.z, uv.z), wg_swiglu_h(gv.w, uv.w));
     }
     __syncthreads();
     const int blk = tid >> 6, piece = tid & 63;       // run blk (64-k block 4 S + blk), piece c * 8 + r

@@ -67,6 +67,7 @@ from engine.gpu.prefill_graph import cache_graph, graph_tokens
 from engine.gpu.profiler import OpTimer
 from engine.gpu.ubatch_plan import bounds, default_ubatch, layer_launches, plan_ubatches
 
+
 def wgmma_default_min_tokens() -> int | None:
     """The ubatch size from which the layer GEMMs take the Hopper path: registry.WGMMA_MIN_TOKENS
     on an sm_90 GPU, None (never) elsewhere or with GGUF_PREFILL_WGMMA=0; GGUF_PREFILL_WGMMA=N
@@ -442,9 +443,8 @@ class GPUModel:
         """silu(gate) * up of the ubatch into what the down GEMM reads: its tiled f16 operand
         (returned; straight from the gate|up GEMM's epilogue where ops.wgmma.swiglu_fusable, unless
         GGUF_PREFILL_KERNEL_DEFINES has WG_SWIGLU_EPI=0, for A/B runs), or bufs.a_f."""
-        T, ff, segs = bufs.T, self.config.d_ff, L.gate_up
+        T, ff, segs, w = bufs.T, self.config.d_ff, L.gate_up, L.gate_up[0].w
         down_x16 = self._on_wgmma(L.down, T)
-        w = segs[0].w
         if (down_x16 and len(segs) == 1 and self._on_wgmma(w, T) and ops.wgmma.swiglu_fusable(w, T)
                 and kernels.define_value("WG_SWIGLU_EPI", 1)):
             out = bufs.xt(ff, slot=int(ff == w.cols))         # never the buffer it reads
