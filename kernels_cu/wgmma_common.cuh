@@ -211,18 +211,27 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 
     // acc[h][4 i + e]: row g + 8 (e >> 1), token BN h + 8 i + 2 t + (e & 1)
     const int tok0 = g0 * 8;
-    u16* const Xo = reinterpret_cast<u16*>(Y);                  // SWIGLU's output
-    if constexpr (SWIGLU && KP == 1) {
+    // SWIGLU: h of each (gate, up) accumulator pair (4 i + e, 4 i + e + 2), e < 2, of token half h
+    // into Xo; gu(h, i, e, g, u) gives the pair's sums, or false where another K part stores it.
+    auto swiglu_store = [&](auto gu) {
 #pragma unroll
         for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
             for (int i = 0; i < Tile::NACC / 4; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
+                    float vg, vu;
+                    if (!gu(h, i, e, vg, vu)) continue;                  // uniform over the block
                     const int tok = tok0 + Tile::BN * h + 8 * i + 2 * t + e;
-                    wg_store_pair(Xo, tok, feat, ngroups, wg_swiglu_h(acc[h][4 * i + e], acc[h][4 * i + e + 2]),
-                                  tok < T);
+                    wg_store_pair(reinterpret_cast<u16*>(Y), tok, feat, ngroups, wg_swiglu_h(vg, vu), tok < T);
                 }
+    };
+    if constexpr (SWIGLU && KP == 1) {
+        swiglu_store([&](int h, int i, int e, float& vg, float& vu) {
+            vg = acc[h][4 * i + e];
+            vu = acc[h][4 * i + e + 2];
+            return true;
+        });
     } else if constexpr (KP == 1) {
 #pragma unroll
         for (int h = 0; h < Tile::NH; ++h)
@@ -245,25 +254,18 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
         cluster_sync();                                // every part's tile written and visible
         const u32 rank = cluster_rank();
         if constexpr (SWIGLU) {
-            // pair (4 i + e, 4 i + e + 2), e < 2, of token half h: summed by part `pair` % KP
+            swiglu_store([&](int h, int i, int e, float& vg, float& vu) {   // pair summed by part `pair` % KP
+                const int c = h * Tile::NACC + 4 * i + e, pair = (h * Tile::NACC / 4 + i) * 2 + e;
+                if (pair % KP != (int)rank) return false;
+                const u32 ag = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4, au = ag + 2 * WG_THREADS * 4;
+                vg = vu = 0.0f;
 #pragma unroll
-            for (int h = 0; h < Tile::NH; ++h)
-#pragma unroll
-                for (int i = 0; i < Tile::NACC / 4; ++i)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = h * Tile::NACC + 4 * i + e, pair = (h * Tile::NACC / 4 + i) * 2 + e;
-                        if (pair % KP != (int)rank) continue;          // uniform over the block
-                        const u32 ag = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4, au = ag + 2 * WG_THREADS * 4;
-                        float vg = 0.0f, vu = 0.0f;
-#pragma unroll
-                        for (int q = 0; q < KP; ++q) {
-                            vg += ld_dsmem_f32(ag, q);
-                            vu += ld_dsmem_f32(au, q);
-                        }
-                        const int tok = tok0 + Tile::BN * h + 8 * i + 2 * t + e;
-                        wg_store_pair(Xo, tok, feat, ngroups, wg_swiglu_h(vg, vu), tok < T);
-                    }
+                for (int q = 0; q < KP; ++q) {
+                    vg += ld_dsmem_f32(ag, q);
+                    vu += ld_dsmem_f32(au, q);
+                }
+                return true;
+            });
         } else {
 #pragma unroll
             for (int h = 0; h < Tile::NH; ++h)

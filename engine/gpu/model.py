@@ -456,8 +456,8 @@ class GPUModel:
             raise AssertionError("gate/up row strides differ")
         if down_x16:
             with self._span("swiglu_x16"):
-                ops.activation.swiglu_x16(gv, uv, ldg, ff, bufs.xt(ff), T)
-            return bufs.xt(ff)
+                ops.activation.swiglu_x16(gv, uv, ldg, ff, xo := bufs.xt(ff), T)
+            return xo
         with self._span("swiglu_q8"):
             ops.activation.swiglu_q8_1(gv, uv, ldg, ff, bufs.a_f)
         return None
