@@ -10,6 +10,7 @@ and cannot move performance.
     python -m dev.kernel_identity dump OUT.json [--root TREE] [--only "FILE:NAME;..."]
     python -m dev.kernel_identity compare OLD.json NEW.json [--map OLDNAME=NEWNAME,...]
 
+GGUF_PREFILL_KERNEL_DEFINES, when set, is applied as in the product (a define set's build).
 --root: another checkout (e.g. `git archive <commit> engine kernels_cu | tar -x -C /tmp/old`),
 imported instead of this one. --only: restrict to these instances (default: every listed one).
 """
@@ -50,7 +51,7 @@ def dump(only: set[tuple[str, str]] | None) -> dict[str, dict]:
             for n in names:
                 nvrtc.addNameExpression(prog, n)
             arch = "sm_90a" if fname in kernels.SM90A_FILES else "sm_90"     # wgmma needs sm_90a
-            opts = kernels.OPTIONS + kernels.CUPY_ADDED_OPTIONS + (f"-arch={arch}",)
+            opts = kernels.OPTIONS + kernels.kernel_defines() + kernels.CUPY_ADDED_OPTIONS + (f"-arch={arch}",)
             try:
                 nvrtc.compileProgram(prog, list(opts))
             except Exception as e:

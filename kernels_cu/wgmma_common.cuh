@@ -33,6 +33,9 @@
 // Grid: x = token tile of BT (fastest, so the blocks in flight share few weight rows and each row
 // tile is read from DRAM about once), y = 128-row tile, z = K part (KP > 1: clusters of the KP
 // parts of one tile, summed at the end; wgmma_gemm); 256 threads = 2 warpgroups x 64 rows.
+// WG_RASTER = G (an A/B define; 0: the launch order above): blocks in launch order take G token
+// tiles at a time across every row tile (wg_block_tiles), so the blocks in flight read the
+// activations of G token tiles (G x 2 MB at BT 256, K 4096) rather than of all of them.
 // Pipeline: STAGES buffers, each filled by one cp.async.bulk copy (async proxy, completion
 // counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup waits for
 // stage j's mbarrier, builds its A fragments while its wgmmas of stage j - 1 run, issues stage j,
@@ -50,6 +53,26 @@
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
+#ifndef WG_RASTER
+#define WG_RASTER 0                    // token tiles per raster group (0: token tile = blockIdx.x)
+#endif
+
+// This block's (token tile, row tile): (blockIdx.x, blockIdx.y), or with WG_RASTER = G launch
+// position L = x + y * nx taken G token tiles at a time: group L / (G ny) holds token tiles
+// G (L / (G ny)) .. + gs - 1 (gs = G, fewer in the last group), row tile = (L % (G ny)) / gs.
+// The z (K part) of a cluster is left alone, so a cluster's parts keep one output tile.
+struct WgTiles { int tok, row; };
+__device__ __forceinline__ WgTiles wg_block_tiles() {
+#if WG_RASTER > 0
+    const int nx = gridDim.x, ny = gridDim.y;
+    if (nx > WG_RASTER) {
+        const int L = blockIdx.x + blockIdx.y * nx, span = WG_RASTER * ny;
+        const int first = L / span * WG_RASTER, gs = min(WG_RASTER, nx - first), w = L % span;
+        return {first + w % gs, w / gs};
+    }
+#endif
+    return {(int)blockIdx.x, (int)blockIdx.y};
+}
 
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
@@ -117,7 +140,7 @@ constexpr u32 wg_stage_area() {
 }
 
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
-// it after pdl_entry(), tile = blockIdx.y, or a tile of one of two matrices: wgmma_pair.cu). KP = 1: the
+// it after pdl_entry(), tile = wg_block_tiles().row, or a tile of one of two matrices: wgmma_pair.cu). KP = 1: the
 // block runs all of K. KP > 1: the grid's z = K-part, launched as clusters of KP blocks along z
 // (__cluster_dims__ on the wrapper): part p runs super-blocks nsb p / KP .. nsb (p + 1) / KP - 1,
 // then the parts add their f32 tiles through distributed shared memory, part 0 + part 1 + ... in
@@ -140,7 +163,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int row0 = tile * WG_ROWS + warp * 16 + g;       // warpgroup wg: warps 4wg..4wg+3
-    const int g0 = blockIdx.x * (BT / 8), ngroups = (T + 7) / 8;
+    const int g0 = wg_block_tiles().tok * (BT / 8), ngroups = (T + 7) / 8;
     const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
     const int feat = tile * (WG_ROWS / 2) + warp * 8 + g;   // SWIGLU: this thread's gate / up feature
     const u8* r0 = W + (size_t)(SWIGLU ? feat : row0) * row_bytes;

@@ -5,9 +5,9 @@
 //
 //   Ya[T, Na] = x . Wa^T (q4_K, wgmma_q4_k.cu)      Yb[T, Nb] = x . Wb^T (q6_K, wgmma_q6_k.cu)
 //
-// Grid: x = token tile, y = row tile (Na / 128 tiles of Wa, then Nb / 128 of Wb), z = K part; a
-// block is the block of wgmma_q4_k / wgmma_q6_k with the same BT, STAGES, KP over its matrix, so
-// the outputs equal those two launches' bit for bit. A row tile is uniform across a block and
+// Grid: x = token tile, y = row tile (Na / 128 tiles of Wa, then Nb / 128 of Wb; both as
+// wg_block_tiles maps them), z = K part; a block is the block of wgmma_q4_k / wgmma_q6_k with the same BT, STAGES, KP over its
+// matrix, so the outputs equal those two launches' bit for bit. A row tile is uniform across a block and
 // across a cluster (the KP parts of one tile share y), so the branch never splits a barrier.
 #include "wgmma_q4_k.cu"
 #include "wgmma_q6_k.cu"
@@ -16,11 +16,11 @@ template <bool PADDED, int BT, int STAGES, int KP>
 __device__ __forceinline__ void wgmma_pair_block(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na,
                                                  const u8* __restrict__ Wb, float* __restrict__ Yb, int Nb,
                                                  const u8* __restrict__ Xt, int T, int K) {
-    const int tiles_a = Na / WG_ROWS;
-    if ((int)blockIdx.y < tiles_a)
-        wgmma_gemm<WgQ4K, BT, STAGES, KP>(Wa, Xt, Ya, T, Na, K, blockIdx.y);
+    const int tiles_a = Na / WG_ROWS, row = wg_block_tiles().row;
+    if (row < tiles_a)
+        wgmma_gemm<WgQ4K, BT, STAGES, KP>(Wa, Xt, Ya, T, Na, K, row);
     else
-        wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(Wb, Xt, Yb, T, Nb, K, blockIdx.y - tiles_a);
+        wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(Wb, Xt, Yb, T, Nb, K, row - tiles_a);
 }
 
 // Two blocks per SM where both bodies fit them alone (padded q6_K, BT <= 64: 128 registers at

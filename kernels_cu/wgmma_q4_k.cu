@@ -102,7 +102,7 @@ template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4K, BT, STAGES>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ4K, BT, STAGES>(W, Xt, Y, T, N, K, wg_block_tiles().row);
 }
 
 // K split in KP parts, a cluster of KP blocks along the grid's z per output tile (few tokens:
@@ -111,7 +111,7 @@ template <int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K, wg_block_tiles().row);
 }
 
 // The gate|up GEMM with SwiGLU fused (wgmma_common.cuh SWIGLU): W = [gate; up] (N = 2 F rows),
@@ -120,7 +120,7 @@ template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_swiglu(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N, int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4K, BT, STAGES, 1, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ4K, BT, STAGES, 1, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
 }
 
 template <int BT, int STAGES, int KP>
@@ -128,6 +128,6 @@ __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N,
                      int K) {
     pdl_entry();
-    wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, blockIdx.y);
+    wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
 }
 #endif

@@ -171,6 +171,7 @@ def test_wgmma_q6k_instances_do_not_spill():
     (32, 512, 256, 2048, 32, 4),        # K split: the clusters of a tile never straddle the matrices
     (50, 128, 384, 2816, 64, 2),        # ragged tokens, 11 super-blocks in uneven parts
     (200, 384, 128, 1024, 128, 1),
+    (700, 256, 128, 1024, 128, 1),      # 6 token tiles: WG_RASTER = 4 maps them in two groups
     (77, 128, 128, 1024, 256, 1),
     (24, 1024, 512, 4096, None, None),  # the production choice for the two matrices together
 ])
