@@ -33,9 +33,11 @@
 // Grid: x = token tile of BT (fastest, so the blocks in flight share few weight rows and each row
 // tile is read from DRAM about once), y = 128-row tile, z = K part (KP > 1: clusters of the KP
 // parts of one tile, summed at the end; wgmma_gemm); 256 threads = 2 warpgroups x 64 rows.
-// WG_RASTER = G (an A/B define; 0: the launch order above): blocks in launch order take G token
-// tiles at a time across every row tile (wg_block_tiles), so the blocks in flight read the
-// activations of G token tiles (G x 2 MB at BT 256, K 4096) rather than of all of them.
+// WG_RASTER = G (4; 0, the launch order above, is an A/B define): blocks in launch order take G
+// token tiles at a time across every row tile (wg_block_tiles), so the blocks in flight read the
+// activations of G token tiles (G x 2 MB at BT 256, K 4096) rather than of all of them, which L2
+// (50 MB) no longer held beside the weights and the output at 4,096 tokens (H100, docs/perf-log.md
+// Session 26: pp8192 +1.8-2.5%, pp3314 +0.1-1.9% on the three 7B shapes).
 // Pipeline: STAGES buffers, each filled by one cp.async.bulk copy (async proxy, completion
 // counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup waits for
 // stage j's mbarrier, builds its A fragments while its wgmmas of stage j - 1 run, issues stage j,
@@ -54,7 +56,7 @@
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
 #ifndef WG_RASTER
-#define WG_RASTER 0                    // token tiles per raster group (0: token tile = blockIdx.x)
+#define WG_RASTER 4                    // token tiles per raster group (0: token tile = blockIdx.x)
 #endif
 
 // This block's (token tile, row tile): (blockIdx.x, blockIdx.y), or with WG_RASTER = G launch
