@@ -30,14 +30,14 @@
 //   (n / 8) * 1024 + (k / 8) * 128 + (n % 8) * 16 + (k % 8) * 2.
 // Descriptor: LBO (next 8 k) = 128 B, SBO (next 8 tokens) = 1024 B; k16 step s starts at 256 s.
 //
-// Grid: x = token tile of BT (fastest, so the blocks in flight share few weight rows and each row
-// tile is read from DRAM about once), y = 128-row tile, z = K part (KP > 1: clusters of the KP
-// parts of one tile, summed at the end; wgmma_gemm); 256 threads = 2 warpgroups x 64 rows.
-// WG_RASTER = G (4; 0, the launch order above, is an A/B define): blocks in launch order take G
-// token tiles at a time across every row tile (wg_block_tiles), so the blocks in flight read the
-// activations of G token tiles (G x 2 MB at BT 256, K 4096) rather than of all of them, which L2
-// (50 MB) no longer held beside the weights and the output at 4,096 tokens (H100, docs/perf-log.md
-// Session 26: pp8192 +1.8-2.5%, pp3314 +0.1-1.9% on the three 7B shapes).
+// Grid: x = token tile of BT, y = 128-row tile, z = K part (KP > 1: clusters of the KP parts of
+// one tile, summed at the end; wgmma_gemm); 256 threads = 2 warpgroups x 64 rows. Blocks in
+// launch order take WG_RASTER (4) token tiles at a time across every row tile (wg_block_tiles):
+// the blocks in flight share few weight rows (each row tile read from DRAM a few times) and the
+// activations of 4 token tiles (8 MB at BT 256, K 4096). Token tile fastest over all of them
+// (WG_RASTER=0, an A/B define) made every wave read all 33.5 MB of a 4,096-token ubatch's
+// activations, which L2 (50 MB) did not keep beside the weights and the output (H100,
+// docs/perf-log.md Session 26: the raster gives pp8192 +1.8-2.5%, pp3314 +0.1-1.9%).
 // Pipeline: STAGES buffers, each filled by one cp.async.bulk copy (async proxy, completion
 // counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup waits for
 // stage j's mbarrier, builds its A fragments while its wgmmas of stage j - 1 run, issues stage j,
@@ -142,9 +142,9 @@ constexpr u32 wg_stage_area() {
 }
 
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
-// it after pdl_entry(), tile = wg_block_tiles().row, or a tile of one of two matrices: wgmma_pair.cu). KP = 1: the
-// block runs all of K. KP > 1: the grid's z = K-part, launched as clusters of KP blocks along z
-// (__cluster_dims__ on the wrapper): part p runs super-blocks nsb p / KP .. nsb (p + 1) / KP - 1,
+// it after pdl_entry(), tile = wg_block_tiles().row, or a tile of one of two matrices:
+// wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part, launched as
+// clusters of KP blocks along z (__cluster_dims__ on the wrapper): part p runs super-blocks nsb p / KP .. nsb (p + 1) / KP - 1,
 // then the parts add their f32 tiles through distributed shared memory, part 0 + part 1 + ... in
 // that order whoever sums (so the result does not depend on timing), each block summing and
 // storing every KP-th accumulator.

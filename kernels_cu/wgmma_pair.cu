@@ -5,10 +5,11 @@
 //
 //   Ya[T, Na] = x . Wa^T (q4_K, wgmma_q4_k.cu)      Yb[T, Nb] = x . Wb^T (q6_K, wgmma_q6_k.cu)
 //
-// Grid: x = token tile, y = row tile (Na / 128 tiles of Wa, then Nb / 128 of Wb; both as
-// wg_block_tiles maps them), z = K part; a block is the block of wgmma_q4_k / wgmma_q6_k with the same BT, STAGES, KP over its
-// matrix, so the outputs equal those two launches' bit for bit. A row tile is uniform across a block and
-// across a cluster (the KP parts of one tile share y), so the branch never splits a barrier.
+// Grid: x = token tile, y = row tile (Na / 128 tiles of Wa, then Nb / 128 of Wb), z = K part, as
+// wg_block_tiles maps them; a block is the block of wgmma_q4_k / wgmma_q6_k with the same BT,
+// STAGES, KP over its matrix, so the outputs equal those two launches' bit for bit. A row tile is
+// uniform across a block and across a cluster (the KP parts of one tile share it), so the branch
+// never splits a barrier.
 #include "wgmma_q4_k.cu"
 #include "wgmma_q6_k.cu"
 
