@@ -8,6 +8,8 @@ loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compi
         [-n 128] [-r 3] [--rounds 2] [--json F]
 
 --sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.
+An entry UBATCH=N in a set is not a define: it sets the model's prompt ubatch (tokens per forward,
+engine.gpu.ubatch_plan) for that set's rows, e.g. --sets ";UBATCH=8192" -p 3314,8192.
 `--keep-tested FILE --sets S` prints the sets that the GPU test groups of FILE leave (kept_sets).
 Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
 kernels compile once).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
     from engine.tools.bench import bench_pp, bench_tg, parse_int_list
 
     for s in sets:                                     # malformed entries fail before the load
-        parse_defines(s)
+        parse_defines(host_entries(s)[0])
     prompts = [p for p in parse_int_list(a.p, "-p") if p > 0]
     gens = [n for n in parse_int_list(a.n, "-n") if n > 0]
     results = {}
@@ -123,15 +126,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def host_entries(s: str) -> tuple[str, int | None]:
+    """A set -> (its kernel defines, the UBATCH=N entry's N or None)."""
+    defines, ubatch = [], None
+    for item in re.split(r"[\s,]+", s.strip()):
+        key, _, value = item.partition("=")
+        if key == "UBATCH":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"UBATCH={value!r}: a token count >= 1")
+            ubatch = int(value)
+        elif item:
+            defines.append(item)
+    return ",".join(defines), ubatch
+
+
 def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
     """samples[set][test] (tok/s of every repetition of every round) and the tests in order."""
     samples: dict[str, dict[str, list[float]]] = {s: {} for s in sets}
     tests: list[str] = []
-    saved = os.environ.get(ENV)
+    saved, saved_ubatch = os.environ.get(ENV), model.ubatch
     try:
         for rnd in range(rounds):
             for s in sets:
-                os.environ[ENV] = s
+                defines, ubatch = host_entries(s)
+                os.environ[ENV] = defines
+                model.ubatch = saved_ubatch if ubatch is None else ubatch
                 rows = [bench_pp(model, p, 0, reps) for p in prompts] + [bench_tg(model, n, 0, reps) for n in gens]
                 for row in rows:
                     samples[s].setdefault(row.test, []).extend(row.samples_ts)
@@ -140,6 +159,7 @@ def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
                 print(f"round {rnd + 1} [{s or '(none)'}]: " +
                       ", ".join(f"{r.test} {r.median:,.1f}" for r in rows), flush=True)
     finally:
+        model.ubatch = saved_ubatch
         if saved is None:
             os.environ.pop(ENV, None)
         else:

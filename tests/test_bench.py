@@ -3,6 +3,7 @@ GPU timings' sanity where a GPU is present."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
@@ -177,6 +178,37 @@ def test_ab_bench_summary():
     samples[""]["pp5"] = [300.0]
     rows = summarize(samples, [""], ["pp5", "pp10", "pp20"], ["pp5", "pp10", "pp20"])
     assert [r["test"] for r in rows if r["ratio"] is None] == ["pp20/pp10"]
+
+
+def test_ab_bench_ubatch_entry(monkeypatch):
+    """dev/ab_bench: a set's UBATCH=N entry sets the model's ubatch for that set's rows only and
+    is not passed on as a kernel define; the model's own ubatch and the variable come back after."""
+    from dev.ab_bench import ENV, host_entries, run_sets
+
+    assert host_entries("") == ("", None)
+    assert host_entries("A=1,UBATCH=8192 B=2") == ("A=1,B=2", 8192)
+    with pytest.raises(ValueError, match="UBATCH"):
+        host_entries("UBATCH=0")
+    monkeypatch.setenv(ENV, "KEEP=1")
+
+    class Row:
+        def __init__(self, test):
+            self.test, self.samples_ts, self.median = test, [1.0], 1.0
+
+    class Model:
+        ubatch = 4096
+
+    seen = []
+
+    def bench_pp(model, p, depth, reps):
+        seen.append((os.environ[ENV], model.ubatch))
+        return Row(f"pp{p}")
+
+    model = Model()
+    samples, tests = run_sets(model, ["", "UBATCH=8192,A=1"], [10], [], 1, 2, bench_pp, None)
+    assert seen == [("", 4096), ("A=1", 8192)] * 2
+    assert tests == ["pp10"] and samples["UBATCH=8192,A=1"]["pp10"] == [1.0, 1.0]
+    assert model.ubatch == 4096 and os.environ[ENV] == "KEEP=1"
 
 
 def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
