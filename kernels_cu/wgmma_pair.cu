@@ -13,15 +13,24 @@
 #include "wgmma_q4_k.cu"
 #include "wgmma_q6_k.cu"
 
-template <bool PADDED, int BT, int STAGES, int KP>
+// ROPE (an A/B form, wgmma_common.cuh): Wa = [Wq; Wk], Wb = Wv (its rows from global row Na on),
+// Ya / Yb unused, the outputs rope.cu's.
+template <bool PADDED, int BT, int STAGES, int KP, bool ROPE = false>
 __device__ __forceinline__ void wgmma_pair_block(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na,
                                                  const u8* __restrict__ Wb, float* __restrict__ Yb, int Nb,
-                                                 const u8* __restrict__ Xt, int T, int K) {
+                                                 const u8* __restrict__ Xt, int T, int K,
+                                                 const WgRope* rope = nullptr) {
     const int tiles_a = Na / WG_ROWS, row = wg_block_tiles().row;
-    if (row < tiles_a)
-        wgmma_gemm<WgQ4K, BT, STAGES, KP>(Wa, Xt, Ya, T, Na, K, row);
-    else
+    if (row < tiles_a) {
+        wgmma_gemm<WgQ4K, BT, STAGES, KP, false, ROPE>(Wa, Xt, Ya, T, Na, K, row, rope);
+    } else if constexpr (ROPE) {
+        WgRope rope_b = *rope;
+        rope_b.row_base += Na;
+        wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP, false, true>(Wb, Xt, Yb, T, Nb, K, row - tiles_a,
+                                                                               &rope_b);
+    } else {
         wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(Wb, Xt, Yb, T, Nb, K, row - tiles_a);
+    }
 }
 
 // Two blocks per SM where both bodies fit them alone (padded q6_K, BT <= 64: 128 registers at
@@ -43,4 +52,24 @@ wgmma_pair_kp(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u
               float* __restrict__ Yb, int Nb, const u8* __restrict__ Xt, int T, int K) {
     pdl_entry();
     wgmma_pair_block<PADDED, BT, STAGES, KP>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K);
+}
+
+// The q|k|v GEMM with bias + RoPE + the K/V cache append fused (ROPE above; an A/B form):
+// [Wq; Wk] q4_K beside Wv q6_K in one launch, the outputs rope.cu's.
+template <bool PADDED, int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
+wgmma_pair_rope(const u8* __restrict__ Wa, int Na, const u8* __restrict__ Wb, int Nb, const u8* __restrict__ Xt, int T,
+                int K, WG_ROPE_PARAMS) {
+    pdl_entry();
+    const WgRope rope = WG_ROPE_ARGS;
+    wgmma_pair_block<PADDED, BT, STAGES, 1, true>(Wa, nullptr, Na, Wb, nullptr, Nb, Xt, T, K, &rope);
+}
+
+template <bool PADDED, int BT, int STAGES, int KP>
+__global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
+wgmma_pair_rope_kp(const u8* __restrict__ Wa, int Na, const u8* __restrict__ Wb, int Nb, const u8* __restrict__ Xt,
+                   int T, int K, WG_ROPE_PARAMS) {
+    pdl_entry();
+    const WgRope rope = WG_ROPE_ARGS;
+    wgmma_pair_block<PADDED, BT, STAGES, KP, true>(Wa, nullptr, Na, Wb, nullptr, Nb, Xt, T, K, &rope);
 }

@@ -130,4 +130,22 @@ wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* _
     pdl_entry();
     wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
 }
+
+// The q|k|v GEMM with bias + RoPE + the K/V cache append fused (wgmma_common.cuh ROPE; an A/B
+// form): W = [Wq; Wk; Wv], every row q4_K; the outputs rope.cu's. Grid as wgmma_q4_k's over N.
+template <int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+wgmma_q4_k_rope(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, WG_ROPE_PARAMS) {
+    pdl_entry();
+    const WgRope rope = WG_ROPE_ARGS;
+    wgmma_gemm<WgQ4K, BT, STAGES, 1, false, true>(W, Xt, nullptr, T, N, K, wg_block_tiles().row, &rope);
+}
+
+template <int BT, int STAGES, int KP>
+__global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
+wgmma_q4_k_rope_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, WG_ROPE_PARAMS) {
+    pdl_entry();
+    const WgRope rope = WG_ROPE_ARGS;
+    wgmma_gemm<WgQ4K, BT, STAGES, KP, false, true>(W, Xt, nullptr, T, N, K, wg_block_tiles().row, &rope);
+}
 #endif

@@ -177,6 +177,14 @@ def emu_wgmma_swiglu(weight, xt, T, out=None):
     return out
 
 
+def emu_wgmma_qkv_rope(weights, xt, T, bq, bk, bv, cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads,
+                       head_dim, start_dev=None, rows=None):
+    y = np.concatenate([emu_wgmma(w, xt, T) for w in weights], axis=1)
+    qd, kvd = n_heads * head_dim, n_kv_heads * head_dim
+    emu_qkv_rope(y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:], None, bq, bk, bv, cos, sin, qout, kc, vc, start, neox,
+                 n_heads, n_kv_heads, head_dim, start_dev, rows)
+
+
 def emu_mmq(weight, act, out=None, variant=None):
     y = numerics.mmq_q8_1(weight.data, weight.kind, act.q, act.ds[..., 0], weight.padded)
     if out is None:
@@ -229,7 +237,7 @@ def emulated_gpu():
                (ops.norm, "add_rmsnorm_x16"): emu_add_rmsnorm_x16, (ops.activation, "swiglu_x16"): emu_swiglu_x16,
                (ops.wgmma, "tile_x16"): emu_tile_x16, (ops.wgmma, "tiled_buffer"): emu_tiled_buffer,
                (ops.wgmma, "wgmma"): emu_wgmma, (ops.wgmma, "wgmma_pair"): emu_wgmma_pair,
-               (ops.wgmma, "wgmma_swiglu"): emu_wgmma_swiglu,
+               (ops.wgmma, "wgmma_swiglu"): emu_wgmma_swiglu, (ops.wgmma, "wgmma_qkv_rope"): emu_wgmma_qkv_rope,
                (ops.norm, "gather_add_rows"): emu_gather_add_rows, (ops.argmax, "argmax_rows"): emu_argmax_rows,
                (ops.argmax, "record_last"): emu_record_last, (ops.argmax, "resolve_follow"): emu_resolve_follow,
                (gpu_batch, "pinned_int32"): lambda n: np.zeros(n, np.int32),

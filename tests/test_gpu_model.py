@@ -853,6 +853,35 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
     assert np.linalg.norm(last - lr[-1]) / np.linalg.norm(lr[-1]) <= BOUNDS["tiny-qwen2"]
 
 
+def test_gpu_model_qkv_rope_epilogue_emulated(tiny_qwen2_model_path, monkeypatch):
+    """WG_QKV_EPI=1 (an A/B form): on the Hopper route every layer's q|k|v group runs as one
+    wgmma_qkv_rope launch (an all-q4_K [Wq; Wk; Wv], or [Wq; Wk] q4_K beside a padded q6_K Wv) in
+    place of the GEMMs and qkv_rope, with the same logits bit for bit (emulated: the wiring, not
+    the kernel, which tests/test_gpu_wgmma.py checks on the GPU); short ubatches keep MMQ."""
+    from engine.gpu import ops
+    from engine.formats.weights import open_model
+    from tests.gpu_emulation import emulated_gpu
+
+    mf = open_model(tiny_qwen2_model_path)
+    ids = np.random.default_rng(2).integers(0, mf.config.vocab_size, 100)
+    with emulated_gpu():
+        from engine.gpu.model import GPUModel
+
+        fused = []
+        fq = ops.wgmma.wgmma_qkv_rope
+        monkeypatch.setattr(ops.wgmma, "wgmma_qkv_rope",
+                            lambda ws, xt, T, *a, **kw: fused.append((T, len(ws))) or fq(ws, xt, T, *a, **kw))
+        g = GPUModel(mf, ubatch=64)
+        g.wgmma_min_tokens = 64
+        plain = g.forward(ids, g.new_cache(100), all_logits=True)              # ubatches 64, 36
+        assert not fused
+        monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_QKV_EPI=1")
+        got = g.forward(ids, g.new_cache(100), all_logits=True)
+    assert np.array_equal(got, plain)
+    want = [(64, len(L.qkv)) for L in g.layers]
+    assert fused == want and {n for _, n in want} == {1, 2}, (fused, want)
+
+
 def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):
     """The Hopper route on the CPU emulator (f16 activations, f16-rounded q4_K and q6_K weights):
     ubatches of >= wgmma_min_tokens tokens take it for every layer GEMM, shorter ones do not (q8_1

@@ -237,3 +237,70 @@ def test_wgmma_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt, kp):
     got = tiled_buffer(T, F)
     wgmma_swiglu(wd, xt, T, out=got, bt=bt, kp=kp)
     assert np.array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))
+
+
+@pytest.mark.parametrize("layout,T,H,KVH,hd,rope_type,bias,cfg,where", [
+    ("q4k", 32, 4, 2, 128, "normal", False, None, "start"),       # the production choice (KP > 1)
+    ("q4k", 50, 4, 2, 128, "neox", True, (64, 2), "start_dev"),   # ragged tokens, K split in 2
+    ("q4k", 200, 8, 4, 64, "neox", True, (128, 1), "rows"),       # two heads a tile; varlen rows
+    ("q4k", 700, 4, 4, 128, "normal", True, (256, 1), "start"),   # 3 token tiles of 256
+    ("pair", 32, 4, 2, 128, "neox", True, (32, 4), "start"),      # [Wq; Wk] q4_K + Wv q6_K, 4 parts
+    ("pair", 24, 4, 2, 128, "normal", False, None, "rows"),       # the production choice
+    ("pair", 300, 8, 4, 64, "normal", True, (128, 1), "start_dev"),
+])
+def test_wgmma_qkv_rope_equals_gemm_then_qkv_rope(rng, layout, T, H, KVH, hd, rope_type, bias, cfg, where):
+    """wgmma_qkv_rope (the q|k|v GEMM with bias + RoPE + the K/V append fused, an A/B form) ==
+    wgmma_q4k / wgmma_pair with the same tile choice, then ops.rope.qkv_rope on its output, bit for
+    bit: qout and both caches (written over NaN), positions from start, start_dev or varlen rows."""
+    _sm90()
+    import cupy as cp
+
+    from engine.formats.config import ModelConfig
+    from engine.formats.rope import rope_tables
+    from engine.gpu import ops, registry
+    from engine.gpu.ops.wgmma import qkv_rope_fusable, wgmma_pair, wgmma_q4k, wgmma_qkv_rope
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.weights import upload_weight
+
+    K, maxT = 1024, 1024
+    qd, kvd = H * hd, KVH * hd
+    mc = ModelConfig("llama", 1, qd, H, KVH, hd, 256, 10, 64, 1e4 if rope_type == "normal" else 1e6,
+                     rope_type, 1e-5, bias, False)
+    if layout == "q4k":
+        ws = [upload_weight(random_blocks(rng, "q4_k", qd + 2 * kvd, K, special=True), "Q4_K")]
+    else:
+        ws = [upload_weight(random_blocks(rng, "q4_k", qd + kvd, K, special=True), "Q4_K"),
+              upload_weight(random_blocks(rng, "q6_k", kvd, K, special=True), "Q6_K", pad_q6k=True)]
+    N = sum(w.rows for w in ws)
+    bt, kp = cfg if cfg else registry.wgmma_config(T, N, K)
+    if cfg is None:
+        assert qkv_rope_fusable(ws, T, qd, kvd, hd)
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+    b = [cp.asarray((rng.standard_normal(c) * 5).astype(np.float32)) if bias else None for c in (qd, kvd, kvd)]
+    cos, sin = (cp.asarray(x) for x in rope_tables(mc, np.arange(maxT)))
+    start, start_dev, rows = 0, None, None
+    if where == "start":
+        start = 7
+    elif where == "start_dev":
+        start, start_dev = 3, cp.asarray(np.array([11], np.int32))
+    else:
+        perm = rng.permutation(maxT)[:T].astype(np.int32)
+        rows = (cp.asarray(rng.integers(0, maxT, T).astype(np.int32)), cp.asarray(perm))
+    neox = rope_type == "neox"
+
+    def run(fused: bool):
+        outs = [cp.full((H, T, hd), np.nan, dtype=cp.float16)] + [cp.full((KVH, maxT, hd), np.nan, dtype=cp.float16)
+                                                                   for _ in range(2)]
+        args = (*b, cos, sin, *outs, start, neox, H, KVH, hd)
+        if fused:
+            wgmma_qkv_rope(ws, xt, T, *args, start_dev=start_dev, rows=rows, bt=bt, kp=kp)
+        else:
+            y = (wgmma_q4k(ws[0], xt, T, bt=bt, kp=kp),) if layout == "q4k" else wgmma_pair(*ws, xt, T, bt=bt, kp=kp)
+            y = cp.concatenate(y, axis=1) if len(y) > 1 else y[0]
+            ops.rope.qkv_rope(y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:], (N, N, N), *args, start_dev=start_dev,
+                              rows=rows)
+        return [cp.asnumpy(o).view(np.uint16) for o in outs]
+
+    want, got = run(False), run(True)
+    for name, w, g in zip(("qout", "kc", "vc"), want, got):
+        assert np.array_equal(w, g), f"{name}: {int(np.sum(w != g))} of {w.size} f16 words differ"

@@ -29,7 +29,7 @@ def test_instance_count(capsys):
         print("  " + kernels.count_line())
     counts = kernels.instance_count()
     assert set(counts) == set(kernels.kernel_files()), "every kernel file has its instances in the registry"
-    assert sum(counts.values()) == 167, counts
+    assert sum(counts.values()) == 183, counts
 
 
 def test_kernel_files_found():

@@ -66,6 +66,7 @@ from engine.gpu.kv_cache import GPUKVCache
 from engine.gpu.prefill_graph import cache_graph, graph_tokens
 from engine.gpu.profiler import OpTimer
 from engine.gpu.ubatch_plan import bounds, default_ubatch, layer_launches, plan_ubatches
+from engine.gpu.weights import role_views
 
 
 def wgmma_default_min_tokens() -> int | None:
@@ -116,20 +117,6 @@ class _Layer:
     down: object
     roles: dict                # attn_q/k/v, ffn_gate/up -> DeviceWeight views into the _Segs
     qkv_bias: object = None    # float32 [q_dim + 2 kv_dim] or None
-
-
-def _role_views(segs: list[_Seg], rows: dict[str, int]) -> dict:
-    """role -> DeviceWeight over that role's rows of its fused group (views, no copies)."""
-    from engine.gpu.weights import DeviceWeight
-
-    out = {}
-    for s in segs:
-        r0 = 0
-        for r in s.roles:
-            n = rows[r]
-            out[r] = DeviceWeight(s.w.ggml_type, n, s.w.cols, s.w.data[r0:r0 + n], s.w.padded)
-            r0 += n
-    return out
 
 
 def _groups(roles, types):
@@ -227,7 +214,7 @@ class GPUModel:
                 wo=mat([layer_name(i, "attn_output")]),
                 gate_up=gate_up,
                 down=mat([layer_name(i, "ffn_down")]),
-                roles=_role_views(qkv + gate_up, self._role_rows()), qkv_bias=bias))
+                roles=role_views(qkv + gate_up, self._role_rows()), qkv_bias=bias))
         self.output_norm = vec("output_norm.weight")
         self.output_w = self.embed_w if cfg.tied_output else mat(["output.weight"])
         cp.cuda.Device().synchronize()
@@ -398,24 +385,15 @@ class GPUModel:
         ops.attention.VarlenDecode, or None: every tile in tiles_dev) (start must be 0)."""
         cfg = self.config
         qd, kvd, ff = cfg.q_dim, cfg.kv_dim, cfg.d_ff
-        H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        eps = cfg.rms_eps
         x, y, a_d, a_q, a_f, qh = bufs.x, bufs.y, bufs.a_d, bufs.a_q, bufs.a_f, bufs.qh
         T = bufs.T
-        cos, sin = self._rope_cos, self._rope_sin
-        neox = cfg.rope_type == "neox"
         role_cols = {"attn_q": qd, "attn_k": kvd, "attn_v": kvd, "ffn_gate": ff, "ffn_up": ff}
 
         with self._span("embed"):
             ops.embed.embed(self.embed_w, ids_dev, x)
         for i, L in enumerate(self.layers):
             xt = self._norm(x, y if i else None, L.attn_norm, a_d, bufs, [s.w for s in L.qkv])
-            views = self._seg_views(L.qkv, a_d, role_cols, bufs, xt)
-            (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
-            with self._span("rope_kv"):
-                ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), L.bq, L.bk, L.bv, cos, sin, qh,
-                                  cache.k_layer(i), cache.v_layer(i), start, neox, H, KVH, hd, start_dev,
-                                  rows=None if varlen is None else varlen[:2])
+            self._qkv_rope(L, i, a_d, xt, bufs, cache, start, start_dev, varlen, role_cols)
             wo_x16 = self._on_wgmma(L.wo, T)
             # the attention writes the Wo GEMM's tiled operand itself (no tile_x16) where it can:
             # not with decode rows in a batched step (attention_decode.cu writes f32 / q8_1)
@@ -438,6 +416,26 @@ class GPUModel:
             self._gemm(L.wo, a_q, out=y, xt=xt)
             xt = self._norm(x, y, L.ffn_norm, a_d, bufs, [s.w for s in L.gate_up])
             self._gemm(L.down, a_f, out=y, xt=self._ffn_act(L, xt, bufs, role_cols))
+
+    def _qkv_rope(self, L, i, a_d, xt, bufs, cache, start, start_dev, varlen, role_cols) -> None:
+        """Layer i's q|k|v GEMMs, then bias + RoPE + f16 into bufs.qh and the K/V cache
+        (ops.rope.qkv_rope); one launch doing both (ops.wgmma.wgmma_qkv_rope) where the group
+        fuses and GGUF_PREFILL_KERNEL_DEFINES has WG_QKV_EPI=1 (an A/B form)."""
+        cfg = self.config
+        ws = [s.w for s in L.qkv]
+        rope = (L.bq, L.bk, L.bv, self._rope_cos, self._rope_sin, bufs.qh, cache.k_layer(i), cache.v_layer(i),
+                start, cfg.rope_type == "neox", cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        rows = None if varlen is None else varlen[:2]
+        if (xt is not None and kernels.define_value("WG_QKV_EPI", 0) and (len(ws) == 1 or self.mixed_launch)
+                and all(self._on_wgmma(w, bufs.T) for w in ws)
+                and ops.wgmma.qkv_rope_fusable(ws, bufs.T, cfg.q_dim, cfg.kv_dim, cfg.head_dim)):
+            with self._span("gemm_q4_k_rope" if len(ws) == 1 else "gemm_q4_k+q6_k_rope"):
+                ops.wgmma.wgmma_qkv_rope(ws, xt, bufs.T, *rope, start_dev=start_dev, rows=rows)
+            return
+        views = self._seg_views(L.qkv, a_d, role_cols, bufs, xt)
+        (qv, ldq), (kv, ldk), (vv, ldv) = views["attn_q"], views["attn_k"], views["attn_v"]
+        with self._span("rope_kv"):
+            ops.rope.qkv_rope(qv, kv, vv, (ldq, ldk, ldv), *rope, start_dev, rows=rows)
 
     def _ffn_act(self, L, xt, bufs, role_cols):
         """silu(gate) * up of the ubatch into what the down GEMM reads: its tiled f16 operand

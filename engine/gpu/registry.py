@@ -256,6 +256,16 @@ def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int
     return _wgmma_name("wgmma_q6_k", "true, " if padded else "false, ", bt, stages, kp)
 
 
+def wgmma_rope_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+    """kernels_cu/wgmma_q4_k.cu's q|k|v GEMM with bias + RoPE + the K/V append fused (an A/B form)."""
+    return _wgmma_name("wgmma_q4_k_rope", "", bt, stages, kp)
+
+
+def wgmma_pair_rope_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+    """kernels_cu/wgmma_pair.cu's q4_K [Wq; Wk] + q6_K Wv launch with the same fused epilogue."""
+    return _wgmma_name("wgmma_pair_rope", "true, " if padded else "false, ", bt, stages, kp)
+
+
 def wgmma_pair_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
     """kernels_cu/wgmma_pair.cu: a q4_K and a q6_K matrix (PADDED: its layout) in one launch."""
     return _wgmma_name("wgmma_pair", "true, " if padded else "false, ", bt, stages, kp)
@@ -352,9 +362,11 @@ INSTANCES: dict[str, tuple[str, ...]] = {
     "mmsb_q4_k.cu": tuple(mmsb_instance("q4_k", n) for n in mmsb_launched_ntt("q4_k")),
     "mmsb_q6_k.cu": tuple(mmsb_instance("q6_k", n, p) for p in (True, False) for n in mmsb_launched_ntt("q6_k")),
     "wgmma_q4_k.cu": (tuple(wgmma_instance(bt, kp=kp) for bt, kp in WGMMA_LAUNCHED)
-                      + tuple(wgmma_swiglu_instance(bt, kp=kp) for bt, kp in WGMMA_PAIR_LAUNCHED)),
+                      + tuple(wgmma_swiglu_instance(bt, kp=kp) for bt, kp in WGMMA_PAIR_LAUNCHED)
+                      + tuple(wgmma_rope_instance(bt, kp=kp) for bt, kp in WGMMA_PAIR_LAUNCHED)),
     "wgmma_q6_k.cu": tuple(wgmma_q6_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_LAUNCHED),
-    "wgmma_pair.cu": tuple(wgmma_pair_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_PAIR_LAUNCHED),
+    "wgmma_pair.cu": (tuple(wgmma_pair_instance(p, bt, kp=kp) for p in (True, False) for bt, kp in WGMMA_PAIR_LAUNCHED)
+                      + tuple(wgmma_pair_rope_instance(True, bt, kp=kp) for bt, kp in WGMMA_PAIR_LAUNCHED)),
     "wgmma_act.cu": ("wgmma_tile_x16",),
     # decode step
     "decode_fused.cu": ("decode_embed", "rmsnorm_q8", "quantize_row_q8", "qkv_post_f32", "qkv_post_f16",

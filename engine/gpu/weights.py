@@ -90,3 +90,16 @@ def upload_weight(blocks, ggml_type, pad_q6k: bool = True) -> DeviceWeight:
 def upload_tensor(info, pad_q6k: bool = True) -> DeviceWeight:
     """engine.formats.gguf_file.TensorInfo (a Q4_K / Q6_K matrix) -> DeviceWeight."""
     return upload_weight(info.data, info.ggml_type, pad_q6k=pad_q6k)
+
+
+def role_views(segs, rows: dict[str, int]) -> dict:
+    """role -> DeviceWeight over that role's rows of its fused group (views, no copies); segs:
+    the groups, each with .w (the fused DeviceWeight) and .roles (its roles in row order)."""
+    out = {}
+    for s in segs:
+        r0 = 0
+        for r in s.roles:
+            n = rows[r]
+            out[r] = DeviceWeight(s.w.ggml_type, n, s.w.cols, s.w.data[r0:r0 + n], s.w.padded)
+            r0 += n
+    return out

@@ -21,6 +21,22 @@ def qkv_rope(q, k, v, lds: tuple[int, int, int], bq, bk, bv, cos, sin, qout, kc,
     t takes RoPE position pos_dev[t] and is written to cache row row_dev[t]; start must then be
     0 and start_dev None, and the ranges (pos < P, row < maxT) are the caller's check."""
     n = int(qout.shape[1])
+    tail = rope_params(cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads, head_dim, start_dev, rows, "qkv_rope")
+    if n == 0:
+        return
+    pairs = (n_heads + 2 * n_kv_heads) * (head_dim // 2)
+    kern = kernels.get_kernel("rope.cu", "qkv_rope")
+    kern(((pairs + 255) // 256, n), (256,),
+         (q, k, v, np.int64(lds[0]), np.int64(lds[1]), np.int64(lds[2]), ptr(bq), ptr(bk), ptr(bv), cos, sin, qout, kc, vc,
+          np.int32(n), np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim), *tail))
+
+
+def rope_params(cos, sin, qout, kc, vc, start: int, neox: bool, n_heads: int, n_kv_heads: int, head_dim: int,
+                start_dev, rows, op: str) -> tuple:
+    """qkv_rope's checks of its tables, outputs and positions (ValueError naming `op`), and the
+    kernel arguments after the head counts: (startp, start0, posv, rowv, maxT, neox, qscale), as
+    rope.cu and the fused q|k|v GEMM (ops.wgmma.wgmma_qkv_rope) both take them."""
+    n = int(qout.shape[1])
     half = head_dim // 2
     P = int(cos.shape[0])
     contig(cos, np.float32, (P, half), "rope cos")
@@ -32,22 +48,15 @@ def qkv_rope(q, k, v, lds: tuple[int, int, int], bq, bk, bv, cos, sin, qout, kc,
     if rows is not None:
         pos_dev, row_dev = rows
         if start != 0 or start_dev is not None:
-            raise ValueError("qkv_rope: with rows, start must be 0 and start_dev None")
+            raise ValueError(f"{op}: with rows, start must be 0 and start_dev None")
         contig(pos_dev, np.int32, (n,), "rope positions")
         contig(row_dev, np.int32, (n,), "rope cache rows")
     else:
         pos_dev = row_dev = None
         if start + n > maxT:
-            raise ValueError(f"qkv_rope: tokens {start}..{start + n} exceed the cache ({maxT})")
+            raise ValueError(f"{op}: tokens {start}..{start + n} exceed the cache ({maxT})")
         if start + n > P and start_dev is None:
-            raise ValueError(f"qkv_rope: tokens {start}..{start + n} past the RoPE tables ({P} positions)")
-    if n == 0:
-        return
-    pairs = (n_heads + 2 * n_kv_heads) * half
+            raise ValueError(f"{op}: tokens {start}..{start + n} past the RoPE tables ({P} positions)")
     qscale = math.log2(math.e) / math.sqrt(head_dim)
-    kern = kernels.get_kernel("rope.cu", "qkv_rope")
-    kern(((pairs + 255) // 256, n), (256,),
-         (q, k, v, np.int64(lds[0]), np.int64(lds[1]), np.int64(lds[2]), ptr(bq), ptr(bk), ptr(bv), cos, sin, qout, kc, vc,
-          np.int32(n), np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim),
-          ptr(start_dev), np.int32(start), ptr(pos_dev), ptr(row_dev), np.int32(maxT), np.int32(1 if neox else 0),
-          np.float32(qscale)))
+    return (ptr(start_dev), np.int32(start), ptr(pos_dev), ptr(row_dev), np.int32(maxT), np.int32(1 if neox else 0),
+            np.float32(qscale))

@@ -7,6 +7,7 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
     y = wgmma_q6k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q6_K (padded or raw), same xt
     ya, yb = wgmma_pair(wa, wb, xt, T, out_a, out_b)  # q4_K wa and q6_K wb in one launch (wgmma_pair.cu)
     ht = wgmma_swiglu(w_gate_up, xt, T, out)          # q4_K [gate; up] -> tiled f16 of silu(g) * u
+    wgmma_qkv_rope(ws, xt, T, bq, .., kc, vc, ..)     # [q; k; v] -> rope.cu's outputs (an A/B form)
 
 Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts),
 256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.gpu import kernels, registry
-from engine.gpu.ops._util import check_dev
+from engine.gpu.ops._util import check_dev, ptr
 from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
 FILE = "wgmma_q4_k.cu"
@@ -186,6 +187,62 @@ def wgmma_swiglu(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = No
     k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
       shared_mem=smem)
     return out
+
+
+def _qkv_group(weights, q_dim: int, kv_dim: int, head_dim: int) -> bool:
+    """One q4_K [Wq; Wk; Wv], or a q4_K [Wq; Wk] beside a padded q6_K Wv (wgmma_pair's), with
+    every RoPE pair inside a 128-row tile (128 % head_dim == 0)."""
+    if 128 % head_dim:
+        return False
+    if len(weights) == 1:
+        return (weights[0].ggml_type == GGML_Q4_K and weights[0].rows == q_dim + 2 * kv_dim
+                and weights[0].rows % ROWS == 0)
+    return (pairs(weights) and weights[1].padded and weights[0].rows == q_dim + kv_dim
+            and weights[1].rows == kv_dim)
+
+
+def qkv_rope_fusable(weights, T: int, q_dim: int, kv_dim: int, head_dim: int) -> bool:
+    """Whether wgmma_qkv_rope takes this q|k|v group at T tokens: _qkv_group's layout and a
+    production K split that has an instance (KP < 8)."""
+    return (T > 0 and _qkv_group(weights, q_dim, kv_dim, head_dim)
+            and registry.wgmma_config(T, sum(w.rows for w in weights), weights[0].cols)[1] < 8)
+
+
+def wgmma_qkv_rope(weights, xt, T: int, bq, bk, bv, cos, sin, qout, kc, vc, start: int, neox: bool,
+                   n_heads: int, n_kv_heads: int, head_dim: int, start_dev=None, rows=None,
+                   bt: int | None = None, stages: int | None = None, kp: int | None = None) -> None:
+    """The q|k|v GEMM with bias + RoPE + the K/V append fused (an A/B form; kernels_cu/
+    wgmma_common.cuh ROPE): `weights` as qkv_rope_fusable takes them, xt as wgmma_q4k's; the
+    outputs (qout, kc, vc) and every other argument as ops.rope.qkv_rope's, bit for bit what the
+    GEMM (wgmma_q4k / wgmma_pair, same bt, stages, kp) and then qkv_rope make."""
+    from engine.gpu.ops.rope import rope_params
+
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    if not _qkv_group(weights, q_dim, kv_dim, head_dim):
+        raise ValueError(f"wgmma_qkv_rope: weights {[w.type_name for w in weights]} of rows "
+                         f"{[w.rows for w in weights]} are not [q; k; v] q4_K or [q; k] q4_K + v padded q6_K "
+                         f"(q {q_dim}, kv {kv_dim}, head_dim {head_dim})")
+    K = weights[0].cols
+    check_dev(xt, np.float16, tiled_shape(T, K), "wgmma_qkv_rope activations")
+    if int(qout.shape[1]) != T:
+        raise ValueError(f"wgmma_qkv_rope: qout holds {int(qout.shape[1])} tokens, the GEMM {T}")
+    tail = rope_params(cos, sin, qout, kc, vc, start, neox, n_heads, n_kv_heads, head_dim, start_dev, rows,
+                       "wgmma_qkv_rope")
+    if T == 0:
+        return
+    N = sum(w.rows for w in weights)
+    bt, stages, kp, smem = _config("wgmma_qkv_rope", T, N, K, bt, stages, kp)
+    rope = (ptr(bq), ptr(bk), ptr(bv), cos, sin, qout, kc, vc, np.int32(q_dim), np.int32(kv_dim),
+            np.int32(head_dim), *tail)
+    grid = (-(-T // bt), N // ROWS, kp)
+    if len(weights) == 1:
+        k = kernels.get_kernel(FILE, registry.wgmma_rope_instance(bt, stages, kp), dynamic_smem=smem)
+        k(grid, (THREADS,), (weights[0].data, xt, np.int32(T), np.int32(N), np.int32(K), *rope), shared_mem=smem)
+    else:
+        wa, wb = weights
+        k = kernels.get_kernel(PAIR_FILE, registry.wgmma_pair_rope_instance(True, bt, stages, kp), dynamic_smem=smem)
+        k(grid, (THREADS,), (wa.data, np.int32(wa.rows), wb.data, np.int32(wb.rows), xt, np.int32(T), np.int32(K),
+                             *rope), shared_mem=smem)
 
 
 def pairs(weights) -> bool:
