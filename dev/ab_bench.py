@@ -8,8 +8,9 @@ loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compi
         [-n 128] [-r 3] [--rounds 2] [--json F]
 
 --sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.
-An entry UBATCH=N in a set is not a define: it sets the model's prompt ubatch (tokens per forward,
-engine.gpu.ubatch_plan) for that set's rows, e.g. --sets ";UBATCH=8192" -p 3314,8192.
+Entries of HOST_ENTRIES in a set are not defines but GPUModel attributes for that set's rows:
+UBATCH=N the prompt ubatch (tokens per forward, engine.gpu.ubatch_plan), ATTN_X16=1 the attention
+writing the Wo GEMM's tiled f16 operand itself (GGUF_PREFILL_ATTN_X16); e.g. --sets ";UBATCH=8192".
 `--keep-tested FILE --sets S` prints the sets that the GPU test groups of FILE leave (kept_sets).
 Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
 kernels compile once).
@@ -126,31 +127,38 @@ def main(argv=None) -> int:
     return 0
 
 
-def host_entries(s: str) -> tuple[str, int | None]:
-    """A set -> (its kernel defines, the UBATCH=N entry's N or None)."""
-    defines, ubatch = [], None
+# set entry -> (GPUModel attribute, its value from the entry's text)
+HOST_ENTRIES = {"UBATCH": ("ubatch", int), "ATTN_X16": ("attn_x16", lambda v: v == "1")}
+
+
+def host_entries(s: str) -> tuple[str, dict]:
+    """A set -> (its kernel defines, {GPUModel attribute: value} of its HOST_ENTRIES)."""
+    defines, attrs = [], {}
     for item in re.split(r"[\s,]+", s.strip()):
         key, _, value = item.partition("=")
-        if key == "UBATCH":
-            if not value.isdigit() or int(value) < 1:
+        if key in HOST_ENTRIES:
+            if key == "UBATCH" and (not value.isdigit() or int(value) < 1):
                 raise ValueError(f"UBATCH={value!r}: a token count >= 1")
-            ubatch = int(value)
+            attr, parse = HOST_ENTRIES[key]
+            attrs[attr] = parse(value)
         elif item:
             defines.append(item)
-    return ",".join(defines), ubatch
+    return ",".join(defines), attrs
 
 
 def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
     """samples[set][test] (tok/s of every repetition of every round) and the tests in order."""
     samples: dict[str, dict[str, list[float]]] = {s: {} for s in sets}
     tests: list[str] = []
-    saved, saved_ubatch = os.environ.get(ENV), model.ubatch
+    saved = os.environ.get(ENV)
+    saved_attrs = {attr: getattr(model, attr) for attr, _ in HOST_ENTRIES.values() if hasattr(model, attr)}
     try:
         for rnd in range(rounds):
             for s in sets:
-                defines, ubatch = host_entries(s)
+                defines, attrs = host_entries(s)
                 os.environ[ENV] = defines
-                model.ubatch = saved_ubatch if ubatch is None else ubatch
+                for attr, value in {**saved_attrs, **attrs}.items():
+                    setattr(model, attr, value)
                 rows = [bench_pp(model, p, 0, reps) for p in prompts] + [bench_tg(model, n, 0, reps) for n in gens]
                 for row in rows:
                     samples[s].setdefault(row.test, []).extend(row.samples_ts)
@@ -159,7 +167,8 @@ def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
                 print(f"round {rnd + 1} [{s or '(none)'}]: " +
                       ", ".join(f"{r.test} {r.median:,.1f}" for r in rows), flush=True)
     finally:
-        model.ubatch = saved_ubatch
+        for attr, value in saved_attrs.items():
+            setattr(model, attr, value)
         if saved is None:
             os.environ.pop(ENV, None)
         else:

@@ -181,12 +181,13 @@ def test_ab_bench_summary():
 
 
 def test_ab_bench_ubatch_entry(monkeypatch):
-    """dev/ab_bench: a set's UBATCH=N entry sets the model's ubatch for that set's rows only and
-    is not passed on as a kernel define; the model's own ubatch and the variable come back after."""
+    """dev/ab_bench: a set's UBATCH=N / ATTN_X16=1 entries set the model's ubatch / attn_x16 for
+    that set's rows only and are not passed on as kernel defines; the model's own values and the
+    variable come back after."""
     from dev.ab_bench import ENV, host_entries, run_sets
 
-    assert host_entries("") == ("", None)
-    assert host_entries("A=1,UBATCH=8192 B=2") == ("A=1,B=2", 8192)
+    assert host_entries("") == ("", {})
+    assert host_entries("A=1,UBATCH=8192 B=2 ATTN_X16=1") == ("A=1,B=2", {"ubatch": 8192, "attn_x16": True})
     with pytest.raises(ValueError, match="UBATCH"):
         host_entries("UBATCH=0")
     monkeypatch.setenv(ENV, "KEEP=1")
@@ -197,18 +198,19 @@ def test_ab_bench_ubatch_entry(monkeypatch):
 
     class Model:
         ubatch = 4096
+        attn_x16 = False
 
     seen = []
 
     def bench_pp(model, p, depth, reps):
-        seen.append((os.environ[ENV], model.ubatch))
+        seen.append((os.environ[ENV], model.ubatch, model.attn_x16))
         return Row(f"pp{p}")
 
     model = Model()
-    samples, tests = run_sets(model, ["", "UBATCH=8192,A=1"], [10], [], 1, 2, bench_pp, None)
-    assert seen == [("", 4096), ("A=1", 8192)] * 2
+    samples, tests = run_sets(model, ["", "UBATCH=8192,A=1", "ATTN_X16=1"], [10], [], 1, 2, bench_pp, None)
+    assert seen == [("", 4096, False), ("A=1", 8192, False), ("", 4096, True)] * 2
     assert tests == ["pp10"] and samples["UBATCH=8192,A=1"]["pp10"] == [1.0, 1.0]
-    assert model.ubatch == 4096 and os.environ[ENV] == "KEEP=1"
+    assert model.ubatch == 4096 and not model.attn_x16 and os.environ[ENV] == "KEEP=1"
 
 
 def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
