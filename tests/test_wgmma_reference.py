@@ -4,6 +4,8 @@ which register of which k16 step each word feeds; for q6_K also the loads of bot
 and the stage ring), so the kernels' k order is checked without a GPU."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -386,3 +388,93 @@ def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
                             want[v, lane, sb, jj, s, reg] = int(lo) | int(hi) << 16
     bad = np.argwhere(out != want)
     assert bad.size == 0, f"{len(bad)} of {out.size} fragment words differ, first at {bad[0].tolist()}"
+
+
+# Every thread of every row tile of a [q; k; v] GEMM output y [T, N] as the ROPE epilogue runs it
+# (wgmma_common.cuh: wg_rope_rows, then wg_rope_store of each token's pair), from global row
+# row_base on.
+_ROPE_HARNESS = r'''
+extern "C" void run_rope(const float* y, int T, int N, int row_base, const float* bq, const float* bk,
+                         const float* bv, const float* cosT, const float* sinT, u16* qout, u16* kc, u16* vc,
+                         int qdim, int kvdim, int hd, const int* startp, int start0, const int* posv,
+                         const int* rowv, int maxT, int neox, float qscale, int* hits) {
+    const WgRope r = {bq, bk, bv, cosT, sinT, qout, kc, vc, startp, posv, rowv, start0, maxT, qdim, kvdim, hd,
+                      neox, qscale, row_base};
+    for (int tile = 0; tile < N / 128; ++tile)
+        for (int warp = 0; warp < 8; ++warp)
+            for (int g = 0; g < 8; ++g) {
+                int lr0, step;
+                wg_rope_rows(r, warp, g, lr0, step);
+                const int row = tile * 128 + lr0;
+                hits[row] += 1;
+                hits[row + step] += 1;
+                for (int tok = 0; tok < T; ++tok)
+                    wg_rope_store(r, row, step, tok, T, y[(size_t)tok * N + row], y[(size_t)tok * N + row + step]);
+            }
+}
+'''
+
+
+@pytest.mark.parametrize("hd,neox,bias,split", [(128, False, False, False), (128, True, True, True),
+                                                  (64, True, True, False), (64, False, True, True)])
+def test_rope_epilogue_on_cpu_matches_qkv_rope(tmp_path, hd, neox, bias, split):
+    """The q|k|v GEMM's RoPE epilogue (wgmma_common.cuh wg_rope_rows / wg_rope_store, an A/B form)
+    compiled for the CPU: every output row taken once, in pairs, and qout / the K and V cache rows
+    equal engine.reference.numerics.qkv_rope_f16 (the emulator's qkv_rope, rope.cu's numerics) bit
+    for bit; `split`: the matrix in two launches as wgmma_pair runs it ([Wq; Wk], then Wv from
+    global row q_dim + kv_dim on), positions from start0 + *startp."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from engine.formats.config import ModelConfig
+    from engine.formats.rope import rope_tables
+    from engine.gpu import kernels
+    from engine.reference import numerics
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
+    src = tmp_path / "rope.cpp"
+    src.write_text(emu_h + "\n" + kernels.source("wgmma_rope.cuh") + _ROPE_HARNESS)
+    so = tmp_path / "rope.so"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
+                        "-o", str(so), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lib = ctypes.CDLL(str(so))
+
+    rng = np.random.default_rng(7)
+    H, KVH, T, maxT, start0, startp = 256 // hd, 128 // hd, 5, 40, 3, 9
+    qd, kvd = H * hd, KVH * hd
+    N = qd + 2 * kvd
+    mc = ModelConfig("llama", 1, qd, H, KVH, hd, 256, 10, 64, 1e6 if neox else 1e4, "neox" if neox else "normal",
+                     1e-5, bias, False)
+    cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in rope_tables(mc, np.arange(maxT)))
+    y = (rng.standard_normal((T, N)) * 3).astype(np.float32)
+    b = [(rng.standard_normal(c) * 5).astype(np.float32) if bias else None for c in (qd, kvd, kvd)]
+    qout = np.full((H, T, hd), 0x7E00, np.uint16)
+    kc = np.full((KVH, maxT, hd), 0x7E00, np.uint16)
+    vc = np.full((KVH, maxT, hd), 0x7E00, np.uint16)
+    hits = np.zeros(N, np.int32)
+    sp = np.array([startp], np.int32)
+    P = ctypes.c_void_p
+
+    def ptr(a):
+        return P(None) if a is None else P(a.ctypes.data)
+
+    qscale = np.float32(math.log2(math.e) / math.sqrt(hd))
+    parts = [(0, N)] if not split else [(0, qd + kvd), (qd + kvd, N)]
+    for r0, r1 in parts:
+        ys = np.ascontiguousarray(y[:, r0:r1])
+        lib.run_rope(ptr(ys), T, r1 - r0, r0, ptr(b[0]), ptr(b[1]), ptr(b[2]), ptr(cos), ptr(sin), ptr(qout), ptr(kc),
+                     ptr(vc), qd, kvd, hd, ptr(sp), start0, P(None), P(None), maxT, int(neox), ctypes.c_float(qscale),
+                     ptr(hits[r0:r1]))
+    assert np.all(hits == 1)
+    pos = np.arange(start0 + startp, start0 + startp + T)
+    wq, wk, wv = numerics.qkv_rope_f16(y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:], *b, cos[pos], sin[pos],
+                                       H, KVH, hd, neox)
+    assert np.array_equal(qout, wq.view(np.uint16))
+    assert np.array_equal(kc[:, pos], wk.view(np.uint16)) and np.array_equal(vc[:, pos], wv.view(np.uint16))
+    rest = np.setdiff1d(np.arange(maxT), pos)
+    assert np.all(kc[:, rest] == 0x7E00) and np.all(vc[:, rest] == 0x7E00)
