@@ -415,14 +415,15 @@ extern "C" void run_rope(const float* y, int T, int N, int row_base, const float
 '''
 
 
-@pytest.mark.parametrize("hd,neox,bias,split", [(128, False, False, False), (128, True, True, True),
-                                                  (64, True, True, False), (64, False, True, True)])
-def test_rope_epilogue_on_cpu_matches_qkv_rope(tmp_path, hd, neox, bias, split):
+@pytest.mark.parametrize("hd,neox,bias,split,varlen", [(128, False, False, False, False), (128, True, True, True, False),
+                                                         (64, True, True, False, True), (64, False, True, True, True)])
+def test_rope_epilogue_on_cpu_matches_qkv_rope(tmp_path, hd, neox, bias, split, varlen):
     """The q|k|v GEMM's RoPE epilogue (wgmma_common.cuh wg_rope_rows / wg_rope_store, an A/B form)
     compiled for the CPU: every output row taken once, in pairs, and qout / the K and V cache rows
     equal engine.reference.numerics.qkv_rope_f16 (the emulator's qkv_rope, rope.cu's numerics) bit
     for bit; `split`: the matrix in two launches as wgmma_pair runs it ([Wq; Wk], then Wv from
-    global row q_dim + kv_dim on), positions from start0 + *startp."""
+    global row q_dim + kv_dim on); positions from start0 + *startp, or (`varlen`) per token from
+    posv with cache rows rowv."""
     import ctypes
     import shutil
     import subprocess
@@ -464,17 +465,21 @@ def test_rope_epilogue_on_cpu_matches_qkv_rope(tmp_path, hd, neox, bias, split):
         return P(None) if a is None else P(a.ctypes.data)
 
     qscale = np.float32(math.log2(math.e) / math.sqrt(hd))
+    if varlen:
+        pos = rng.integers(0, maxT, T).astype(np.int32)
+        rows = rng.permutation(maxT)[:T].astype(np.int32)
+    else:
+        pos = rows = np.arange(start0 + startp, start0 + startp + T)
     parts = [(0, N)] if not split else [(0, qd + kvd), (qd + kvd, N)]
     for r0, r1 in parts:
         ys = np.ascontiguousarray(y[:, r0:r1])
         lib.run_rope(ptr(ys), T, r1 - r0, r0, ptr(b[0]), ptr(b[1]), ptr(b[2]), ptr(cos), ptr(sin), ptr(qout), ptr(kc),
-                     ptr(vc), qd, kvd, hd, ptr(sp), start0, P(None), P(None), maxT, int(neox), ctypes.c_float(qscale),
-                     ptr(hits[r0:r1]))
+                     ptr(vc), qd, kvd, hd, ptr(sp), start0, ptr(pos if varlen else None),
+                     ptr(rows if varlen else None), maxT, int(neox), ctypes.c_float(qscale), ptr(hits[r0:r1]))
     assert np.all(hits == 1)
-    pos = np.arange(start0 + startp, start0 + startp + T)
     wq, wk, wv = numerics.qkv_rope_f16(y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:], *b, cos[pos], sin[pos],
                                        H, KVH, hd, neox)
     assert np.array_equal(qout, wq.view(np.uint16))
-    assert np.array_equal(kc[:, pos], wk.view(np.uint16)) and np.array_equal(vc[:, pos], wv.view(np.uint16))
-    rest = np.setdiff1d(np.arange(maxT), pos)
+    assert np.array_equal(kc[:, rows], wk.view(np.uint16)) and np.array_equal(vc[:, rows], wv.view(np.uint16))
+    rest = np.setdiff1d(np.arange(maxT), rows)
     assert np.all(kc[:, rest] == 0x7E00) and np.all(vc[:, rest] == 0x7E00)
