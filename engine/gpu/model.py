@@ -35,6 +35,8 @@ input is the same float32 activation rounded to f16 in a tiled layout, written b
 wgmma_act.cu); a producer whose consumers mix both paths writes both forms. A q4_K gate|up
 GEMM writes the down GEMM's operand itself (ops.wgmma.wgmma_swiglu: no [T, 2 d_ff] f32, no
 swiglu_x16; WG_SWIGLU_EPI=0 in GGUF_PREFILL_KERNEL_DEFINES: the unfused pair, for A/B runs).
+WG_QKV_EPI=1 there (an A/B form) runs the q|k|v GEMMs and rope.cu as one launch
+(ops.wgmma.wgmma_qkv_rope).
 
 Numerics: weights are the GGUF blocks (no dequantized copies); every MMQ GEMM input is q8_1
 (int8 + per-32 scale, like llama.cpp's MMQ), every wgmma GEMM input f16; Q, K, V and P are f16

@@ -212,7 +212,7 @@ def wgmma_qkv_rope(weights, xt, T: int, bq, bk, bv, cos, sin, qout, kc, vc, star
                    n_heads: int, n_kv_heads: int, head_dim: int, start_dev=None, rows=None,
                    bt: int | None = None, stages: int | None = None, kp: int | None = None) -> None:
     """The q|k|v GEMM with bias + RoPE + the K/V append fused (an A/B form; kernels_cu/
-    wgmma_common.cuh ROPE): `weights` as qkv_rope_fusable takes them, xt as wgmma_q4k's; the
+    wgmma_rope.cuh): `weights` as qkv_rope_fusable takes them, xt as wgmma_q4k's; the
     outputs (qout, kc, vc) and every other argument as ops.rope.qkv_rope's, bit for bit what the
     GEMM (wgmma_q4k / wgmma_pair, same bt, stages, kp) and then qkv_rope make."""
     from engine.gpu.ops.rope import rope_params
