@@ -306,6 +306,25 @@ def test_wgmma_config_choices():
             assert (bt, kp) in registry.WGMMA_LAUNCHED and kp <= K // 256
 
 
+def _build_on_cpu(tmp_path, name: str, source: str):
+    """`source` (kernel code and a harness) compiled by g++ against the CPU emulator's header
+    (tests/cuda_emu/cuda_emu.h), loaded with ctypes; skips without g++."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
+    src, so = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
+    src.write_text(emu_h + "\n" + source)
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
+                        "-o", str(so), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return ctypes.CDLL(str(so))
+
+
 # Lane (g, t) of warp v: rows 16 v + g and 16 v + g + 8; out[v][lane][sb][jj][step][reg], the
 # pipeline's calls in order (wgmma_common.cuh wgmma_gemm: load, scales, then per stage j = 4 sb + jj
 # load_stage and frags).
@@ -346,24 +365,12 @@ def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
     does) give engine.reference.wgmma's dequantization bit for bit, in the A-fragment order of
     wgmma_common.cuh, on random blocks with extreme scales."""
     import ctypes
-    import shutil
-    import subprocess
-    from pathlib import Path
 
     from engine.gpu import kernels
 
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
     fname, policy = {("q4_k", "raw"): ("wgmma_q4_k.cu", "WgQ4K"), ("q6_k", "padded"): ("wgmma_q6_k.cu", "WgQ6K<true, 4>"),
                      ("q6_k", "raw"): ("wgmma_q6_k.cu", "WgQ6K<false, 4>")}[kind, layout]
-    emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
-    src = tmp_path / "policy.cpp"
-    src.write_text(emu_h + "\n" + kernels.source(fname) + f"\n#define POLICY {policy}\n" + _POLICY_HARNESS)
-    so = tmp_path / "policy.so"
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
-                        "-o", str(so), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lib = ctypes.CDLL(str(so))
+    lib = _build_on_cpu(tmp_path, "policy", kernels.source(fname) + f"\n#define POLICY {policy}\n" + _POLICY_HARNESS)
 
     rng = np.random.default_rng(5)
     N, K = 32, 1024
@@ -425,25 +432,13 @@ def test_rope_epilogue_on_cpu_matches_qkv_rope(tmp_path, hd, neox, bias, split, 
     global row q_dim + kv_dim on); positions from start0 + *startp, or (`varlen`) per token from
     posv with cache rows rowv."""
     import ctypes
-    import shutil
-    import subprocess
-    from pathlib import Path
 
     from engine.formats.config import ModelConfig
     from engine.formats.rope import rope_tables
     from engine.gpu import kernels
     from engine.reference import numerics
 
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
-    emu_h = (Path(__file__).parent / "cuda_emu" / "cuda_emu.h").read_text()
-    src = tmp_path / "rope.cpp"
-    src.write_text(emu_h + "\n" + kernels.source("wgmma_rope.cuh") + _ROPE_HARNESS)
-    so = tmp_path / "rope.so"
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
-                        "-o", str(so), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lib = ctypes.CDLL(str(so))
+    lib = _build_on_cpu(tmp_path, "rope", kernels.source("wgmma_rope.cuh") + _ROPE_HARNESS)
 
     rng = np.random.default_rng(7)
     H, KVH, T, maxT, start0, startp = 256 // hd, 128 // hd, 5, 40, 3, 9

@@ -157,11 +157,17 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
     return tuple(outs)
 
 
+def _epilogue_instanced(T: int, N: int, K: int) -> bool:
+    """Whether the production tile choice of an N x K launch at T tokens has a fused-epilogue
+    instance (those are built for registry.WGMMA_PAIR_LAUNCHED: no KP 8)."""
+    return registry.wgmma_config(T, N, K) in registry.WGMMA_PAIR_LAUNCHED
+
+
 def swiglu_fusable(weight: DeviceWeight, T: int) -> bool:
     """Whether wgmma_swiglu takes this [gate; up] weight at T tokens: q4_K, F = rows / 2 a multiple
     of 256 (the down GEMM's operand), and a production K split that has an instance (KP < 8)."""
     return (weight.ggml_type == GGML_Q4_K and weight.rows % 512 == 0 and T > 0
-            and registry.wgmma_config(T, weight.rows, weight.cols)[1] < 8)
+            and _epilogue_instanced(T, weight.rows, weight.cols))
 
 
 def wgmma_swiglu(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = None, stages: int | None = None,
@@ -205,7 +211,7 @@ def qkv_rope_fusable(weights, T: int, q_dim: int, kv_dim: int, head_dim: int) ->
     """Whether wgmma_qkv_rope takes this q|k|v group at T tokens: _qkv_group's layout and a
     production K split that has an instance (KP < 8)."""
     return (T > 0 and _qkv_group(weights, q_dim, kv_dim, head_dim)
-            and registry.wgmma_config(T, sum(w.rows for w in weights), weights[0].cols)[1] < 8)
+            and _epilogue_instanced(T, sum(w.rows for w in weights), weights[0].cols))
 
 
 def wgmma_qkv_rope(weights, xt, T: int, bq, bk, bv, cos, sin, qout, kc, vc, start: int, neox: bool,
