@@ -10,7 +10,9 @@ loads once (a 7B synth takes ~15 s to load, a define set's kernels ~5 s to compi
 --sets: ';'-separated define sets, "" (an empty entry) = no defines; the first is the baseline.
 Entries of HOST_ENTRIES in a set are not defines but GPUModel attributes for that set's rows:
 UBATCH=N the prompt ubatch (tokens per forward, engine.gpu.ubatch_plan), ATTN_X16=1 the attention
-writing the Wo GEMM's tiled f16 operand itself (GGUF_PREFILL_ATTN_X16); e.g. --sets ";UBATCH=8192".
+writing the Wo GEMM's tiled f16 operand itself (GGUF_PREFILL_ATTN_X16). PP=a:b (':'-separated
+prompt lengths) limits a set to those pp rows and no tg rows, for a form that cannot change the
+others; e.g. --sets ";UBATCH=8192,PP=8192". A set's missing rows get no ratio and no quotient.
 `--keep-tested FILE --sets S` prints the sets that the GPU test groups of FILE leave (kept_sets).
 Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
 kernels compile once).
@@ -38,11 +40,14 @@ def summarize(samples: dict[str, dict[str, list[float]]], sets: list[str], tests
     before>" per set holding the quotient of their medians (-p 32,..,3314,8192: pp8192 / pp3314)."""
     rows = []
     for s in sets:
-        med = {t: statistics.median(samples[s][t]) for t in tests}
+        med = {t: statistics.median(samples[s][t]) for t in tests if samples[s].get(t)}
         for t in tests:
-            base = statistics.median(samples[sets[0]][t])
-            rows.append(dict(set=s, test=t, median=med[t], ratio=med[t] / base, n=len(samples[s][t])))
-        if len(pp_tests) >= 2:
+            if t not in med:
+                continue
+            base = statistics.median(samples[sets[0]][t]) if samples[sets[0]].get(t) else None
+            rows.append(dict(set=s, test=t, median=med[t], ratio=None if base is None else med[t] / base,
+                             n=len(samples[s][t])))
+        if len(pp_tests) >= 2 and pp_tests[-1] in med and pp_tests[-2] in med:
             rows.append(dict(set=s, test=f"{pp_tests[-1]}/{pp_tests[-2]}", median=med[pp_tests[-1]] / med[pp_tests[-2]],
                              ratio=None, n=None))
     return rows
@@ -52,7 +57,7 @@ def format_rows(rows: list[dict]) -> str:
     out = [f"| defines | test | tok/s median | vs first |", "|---|---|---|---|"]
     for r in rows:
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        value = f"{r['median']:.3f}" if r["ratio"] is None else f"{r['median']:,.1f}"
+        value = f"{r['median']:.3f}" if "/" in r["test"] else f"{r['median']:,.1f}"
         out.append(f"| {r['set'] or '(none)'} | {r['test']} | {value} | {ratio} |")
     return "\n".join(out)
 
@@ -132,11 +137,16 @@ HOST_ENTRIES = {"UBATCH": ("ubatch", int), "ATTN_X16": ("attn_x16", lambda v: v 
 
 
 def host_entries(s: str) -> tuple[str, dict]:
-    """A set -> (its kernel defines, {GPUModel attribute: value} of its HOST_ENTRIES)."""
+    """A set -> (its kernel defines, {GPUModel attribute: value} of its HOST_ENTRIES; its PP=a:b
+    entry, if any, as attrs["pp"] = [a, b])."""
     defines, attrs = [], {}
     for item in re.split(r"[\s,]+", s.strip()):
         key, _, value = item.partition("=")
-        if key in HOST_ENTRIES:
+        if key == "PP":
+            if not re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)*", value):
+                raise ValueError(f"PP={value!r}: prompt lengths >= 1 separated by ':'")
+            attrs["pp"] = [int(v) for v in value.split(":")]
+        elif key in HOST_ENTRIES:
             if key == "UBATCH" and (not value.isdigit() or int(value) < 1):
                 raise ValueError(f"UBATCH={value!r}: a token count >= 1")
             attr, parse = HOST_ENTRIES[key]
@@ -156,10 +166,12 @@ def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
         for rnd in range(rounds):
             for s in sets:
                 defines, attrs = host_entries(s)
+                only_pp = attrs.pop("pp", None)
                 os.environ[ENV] = defines
                 for attr, value in {**saved_attrs, **attrs}.items():
                     setattr(model, attr, value)
-                rows = [bench_pp(model, p, 0, reps) for p in prompts] + [bench_tg(model, n, 0, reps) for n in gens]
+                rows = ([bench_pp(model, p, 0, reps) for p in (only_pp or prompts)] +
+                        [bench_tg(model, n, 0, reps) for n in (gens if only_pp is None else [])])
                 for row in rows:
                     samples[s].setdefault(row.test, []).extend(row.samples_ts)
                     if row.test not in tests:

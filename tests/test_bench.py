@@ -213,6 +213,40 @@ def test_ab_bench_ubatch_entry(monkeypatch):
     assert model.ubatch == 4096 and not model.attn_x16 and os.environ[ENV] == "KEEP=1"
 
 
+def test_ab_bench_pp_entry():
+    """dev/ab_bench: a set's PP=a:b entry times only those pp rows and no tg rows; the summary
+    gives its rows ratios to the baseline's and a quotient only where it has both last pp rows."""
+    from dev.ab_bench import host_entries, run_sets, summarize
+
+    assert host_entries("UBATCH=8192,PP=8192") == ("", {"ubatch": 8192, "pp": [8192]})
+    assert host_entries("PP=32:8192")[1] == {"pp": [32, 8192]}
+    for bad in ("PP=", "PP=0", "PP=1:x"):
+        with pytest.raises(ValueError, match="PP="):
+            host_entries(bad)
+
+    class Row:
+        def __init__(self, test, value):
+            self.test, self.samples_ts, self.median = test, [value], value
+
+    class Model:
+        ubatch = 4096
+
+    def bench_pp(model, p, depth, reps):
+        return Row(f"pp{p}", float(p + model.ubatch))
+
+    def bench_tg(model, n, depth, reps):
+        return Row(f"tg{n}", 1.0)
+
+    sets = ["", "UBATCH=8192,PP=8192"]
+    samples, tests = run_sets(Model(), sets, [3314, 8192], [128], 1, 1, bench_pp, bench_tg)
+    assert tests == ["pp3314", "pp8192", "tg128"]
+    assert samples["UBATCH=8192,PP=8192"] == {"pp8192": [16384.0]}
+    rows = summarize(samples, sets, tests, ["pp3314", "pp8192"])
+    mine = [r for r in rows if r["set"] == "UBATCH=8192,PP=8192"]
+    assert [(r["test"], r["ratio"]) for r in mine] == [("pp8192", 16384.0 / 12288.0)]
+    assert [r["test"] for r in rows if r["set"] == ""] == ["pp3314", "pp8192", "tg128", "pp8192/pp3314"]
+
+
 def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
     """dev/ab_bench --keep-tested: a define set that only failed GPU test groups ran is not timed
     (a hung form would take every set's rows with it); one a passed group covers, one no group
