@@ -42,7 +42,8 @@
 // counted in bytes on the buffer's mbarrier), STAGES - 1 stages ahead. Each warpgroup waits for
 // stage j's mbarrier, builds its A fragments while its wgmmas of stage j - 1 run, issues stage j,
 // waits for stage j - 1 (wgmma.wait_group 1); after a barrier of both warpgroups thread 0 refills
-// buffer j - 1. No proxy fence in the loop: with 16-byte cp.async (generic proxy) every stage
+// buffer j - 1 (with STAGES >= 8: the 4 buffers of the last super-block, once a super-block,
+// wgmma_gemm's RB). No proxy fence in the loop: with 16-byte cp.async (generic proxy) every stage
 // needs fence.proxy.async, whose MEMBAR also waits for the weight loads in flight, and that
 // pipeline measured 10-25% slower (docs/perf-log.md, Session 12). Weights stream
 // register-direct, one super-block ahead (Sb), or per stage PF stages ahead (St; q6_K).
@@ -211,6 +212,11 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     }
     typename WT::Sc sc;
     u32 a[4][4];
+    // Refills: STAGES < 8, each stage's buffer once both warpgroups retired it (a block barrier a
+    // stage); STAGES >= 8 (ops.wgmma: the small token tiles under WG_SMALL_STAGES), the 4 buffers
+    // of a super-block together at the next super-block's first stage (a barrier a super-block),
+    // each refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
+    constexpr int RB = STAGES >= 8 ? 4 : 1;
     for (int sb = sb0; sb < sb1; ++sb) {
         if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
         WT::scales(sc, cur, t);
@@ -227,11 +233,20 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
             wg_issue_stage<BT>(acc, a, wg_desc_add(desc0, buf * STAGE_BYTES));
             wg_commit();
             wg_wait<1>();                              // stage l - 1 retired in this warpgroup
-            const u32 ln = l - 1 + STAGES;             // refill buffer l - 1 once both warpgroups retired it
-            __syncthreads();
-            if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
-                const u32 bn = ln % STAGES;
-                wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
+            if constexpr (RB == 1) {
+                const u32 ln = l - 1 + STAGES;         // refill buffer l - 1 once both warpgroups retired it
+                __syncthreads();
+                if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
+                    const u32 bn = ln % STAGES;
+                    wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
+                }
+            } else if (jj == 0 && l >= 4 && l + STAGES - 4 < (u32)nst) {   // uniform over the block
+                __syncthreads();                       // the last super-block's stages l - 4 .. l - 1 retired
+                if (threadIdx.x == 0)
+                    for (u32 ln = l + STAGES - 4; ln < l + STAGES && ln < (u32)nst; ++ln) {
+                        const u32 bn = ln % STAGES;
+                        wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
+                    }
             }
         }
         cur = nxt;

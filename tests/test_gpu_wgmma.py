@@ -5,7 +5,7 @@ poisoned outputs; q6_K in both block layouts (padded 224-byte and raw 210-byte: 
 Checked: the activation tiling kernel == the numpy tiling bit for bit (f16 rounding and the zero
 tokens past T included); every output element within engine.reference.wgmma.wgmma_error_bound of
 the oracle on the kernel's own operands (f16-dequantized weights, f16 activations); ragged token
-counts (token groups never copied), every token tile (32 to 256), stage counts from 3 to 6, and K
+counts (token groups never copied), every token tile (32 to 256), stage counts from 3 to 8, and K
 split in 2 to 8 parts across a cluster (uneven parts; a rerun gives the same bits). The worst ratio |y - ref| / bound goes to GPU_REPORT.
 """
 from __future__ import annotations
@@ -202,6 +202,57 @@ def test_wgmma_pair_equals_two_launches(rng, T, Na, Nb, K, bt, kp):
         wgmma_pair(wa, wb, xt, T, ya, yb, **({} if auto else dict(bt=bt, kp=kp)))
         assert np.array_equal(cp.asnumpy(ya).view(np.uint32), want_a.view(np.uint32)), f"q4_K part (padded={padded})"
         assert np.array_equal(cp.asnumpy(yb).view(np.uint32), want_b.view(np.uint32)), f"q6_K part (padded={padded})"
+
+
+@pytest.mark.parametrize("T,K,bt,kp", [
+    (32, 512, 32, 1),          # 8 stages: the prologue loads them all, nothing refilled
+    (32, 256, 32, 1),          # 4 stages, fewer than the buffers
+    (32, 4096, 32, 1),         # 64 stages: 14 refills of 4
+    (24, 2816, 64, 2),         # ragged tokens, 11 super-blocks in uneven parts (20 / 24 stages)
+    (32, 11008, 32, 4),        # llama2-7b's down at T = 32: parts of 10 / 11 super-blocks
+    (64, 3584, 64, 8),         # 14 super-blocks in 8 parts: 1 or 2 each (4 / 8 stages)
+    (17, 9216, 32, 8),         # 36 super-blocks in 8 parts of 4 / 5 (16 / 20 stages)
+])
+def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
+    """WG_SMALL_STAGES (ops.wgmma.default_stages): with 8 activation buffers wgmma_gemm refills a
+    super-block's 4 buffers after one block barrier (RB = 4). Each launcher (q4_K, q6_K in both
+    layouts, the pair, the SwiGLU epilogue) gives the same bits as with the 4-buffer ring."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
+    from engine.gpu.weights import upload_weight
+
+    N = 256
+    w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
+    w6 = random_blocks(rng, "q6_k", N, K, special=True)
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+
+    def bits(a):
+        return cp.asnumpy(a).view(np.uint16 if a.dtype == np.float16 else np.uint32)
+
+    def same(run):
+        want, got = run(4), run(8)
+        assert all(np.array_equal(bits(g), bits(w)) for g, w in zip(got, want))
+
+    same(lambda st: [cp.asarray(_run_poisoned(wgmma_q4k, w4, xt, T, N, bt=bt, stages=st, kp=kp))])
+    for padded in (True, False):
+        w6d = upload_weight(w6, "Q6_K", pad_q6k=padded)
+        same(lambda st: [cp.asarray(_run_poisoned(wgmma_q6k, w6d, xt, T, N, bt=bt, stages=st, kp=kp))])
+
+        def pair(st):
+            ya = cp.full((T, N), np.nan, dtype=cp.float32)
+            yb = cp.full((T, N), np.nan, dtype=cp.float32)
+            wgmma_pair(w4, w6d, xt, T, ya, yb, bt=bt, stages=st, kp=kp)
+            return [ya, yb]
+        same(pair)
+
+    def swiglu(st):
+        h = tiled_buffer(T, N // 2)
+        wgmma_swiglu(w4, xt, T, out=h, bt=bt, stages=st, kp=kp)
+        return [h]
+    same(swiglu)
 
 
 @pytest.mark.parametrize("T,F,K,bt,kp", [

@@ -73,6 +73,15 @@ def tile_x16(x, out=None):
     return out
 
 
+def default_stages(bt: int) -> int:
+    """Activation buffers of a bt-token launch: registry.WGMMA_STAGES, or for bt <= 64 the value
+    of the A/B define WG_SMALL_STAGES (8: wgmma_gemm refills a super-block's 4 buffers after one
+    block barrier instead of one buffer after a barrier each stage)."""
+    if bt <= 64:
+        return kernels.define_value("WG_SMALL_STAGES", registry.WGMMA_STAGES)
+    return registry.WGMMA_STAGES
+
+
 def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
     """(bt, stages, kp, dynamic shared bytes) of a launch over N rows: the production choice
     (registry.wgmma_config) where bt is None; a given bt runs unsplit unless kp says."""
@@ -80,7 +89,7 @@ def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None,
         bt, auto_kp = registry.wgmma_config(T, N, K)
         kp = kp or auto_kp
     kp = kp or 1
-    stages = stages or registry.WGMMA_STAGES
+    stages = stages or default_stages(bt)
     if kp > K // 256:
         raise ValueError(f"{op}: {kp} K-parts of {K // 256} super-blocks (at most one part per super-block)")
     return bt, stages, kp, smem_bytes(bt, stages, kp)
