@@ -69,7 +69,7 @@ def kept_sets(sets: list[str], groups: list[tuple[bool, str]]) -> tuple[list[str
     The first set (the baseline) is always kept."""
     kept, dropped = [], []
     for i, s in enumerate(sets):
-        mine = set(parse_defines(s))
+        mine = set(parse_defines(host_entries(s)[0]))     # the set's kernel defines (not UBATCH, PP, ..)
         covering = [ok for ok, g in groups if mine <= set(parse_defines(g))]
         if i > 0 and mine and covering and not any(covering):
             dropped.append(s)

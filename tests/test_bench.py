@@ -262,6 +262,9 @@ def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
     groups.write_text("fail A=1\n")
     assert main(["--keep-tested", str(groups), "--sets", "A=1;A=1"]) == 0
     assert capsys.readouterr().out.strip() == "A=1"
+    # host entries (UBATCH, PP) are not defines: a failed A=1 drops "A=1,PP=32:128" too
+    assert main(["--keep-tested", str(groups), "--sets", ";A=1,PP=32:128;UBATCH=8192,PP=8192"]) == 0
+    assert capsys.readouterr().out.strip() == ";UBATCH=8192,PP=8192"
 
 
 def test_sass_control_listing():
