@@ -224,7 +224,7 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
     from engine.gpu.weights import upload_weight
 
-    N = 256
+    N = 512                    # 2 x 256 features for the SwiGLU launch
     w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
     w6 = random_blocks(rng, "q6_k", N, K, special=True)
     xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
