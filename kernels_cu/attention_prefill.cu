@@ -157,7 +157,7 @@ __device__ __forceinline__ void attn_prefill_body(
                                 const u16* __restrict__ Vc, float* __restrict__ O,              \
                                 i8* __restrict__ Oq, float2* __restrict__ Ods, int n, int H,    \
                                 int KVH, const int* __restrict__ startp, int start0, int maxT) { \
-        pdl_entry_small();                                                                      \
+        pdl_entry();                                                                            \
         const int q0 = (AT_NTILES - 1 - AT_TILE) * AT_BQ;                                       \
         attn_prefill_body<HDV, OUTV>(Q, Kc, Vc, O, Oq, Ods, n, H, KVH, q0, min(AT_BQ, n - q0),  \
                                     start0 + (startp ? *startp : 0) + q0, 0, maxT);            \
@@ -168,7 +168,7 @@ __device__ __forceinline__ void attn_prefill_body(
                                        i8* __restrict__ Oq, float2* __restrict__ Ods,           \
                                        const int4* __restrict__ tiles, int T, int H, int KVH,   \
                                        int maxT) {                                              \
-        pdl_entry_small();                                                                      \
+        pdl_entry();                                                                            \
         const int4 tl = tiles[AT_TILE];                                                         \
         if (tl.y <= 0) return;                                                                  \
         if (tl.y > AT_BQ) __trap();                                                             \

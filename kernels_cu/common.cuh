@@ -42,44 +42,19 @@ typedef unsigned long long u64;
 // batched step it cost 5-7% (not profiled; presumably the successor's waiting blocks get in the
 // way of kernels bound by issue rather than by bandwidth). Without the attribute (eager launches)
 // and below sm_90 both instructions do nothing.
-//
-// PDL_EARLY (an A/B define, off): the prompt-path kernels enter by pdl_entry_small(), which
-// triggers early when the grid is small (at most 1,024 threads a SM: a few-token forward), so
-// the next kernel's blocks are placed on the idle SMs while this one runs; the wgmma GEMMs load
-// their first weights before their wait (wgmma_common.cuh), overlapping the kernel before them.
-#ifndef PDL_EARLY
-#define PDL_EARLY 0
-#endif
 #if !defined(GGP_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void pdl_entry() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry_trigger() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
-// griddepcontrol.launch_dependents if the grid's threads are at most 1,024 per SM (PDL_EARLY).
-__device__ __forceinline__ void pdl_trigger_small() {
-#if PDL_EARLY
-    unsigned nsm;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    const unsigned long long threads = (unsigned long long)gridDim.x * gridDim.y * gridDim.z *
-                                       (blockDim.x * blockDim.y * blockDim.z);
-    if (threads <= 1024ull * nsm) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 #elif !defined(GGP_EMU)
 __device__ __forceinline__ void pdl_entry() {}
 __device__ __forceinline__ void pdl_entry_trigger() {}
-__device__ __forceinline__ void pdl_trigger_small() {}
 #else
 inline void pdl_entry() {}
 inline void pdl_entry_trigger() {}
-inline void pdl_trigger_small() {}
 #endif
-// The prompt path's entry: the wait, then (PDL_EARLY) the small grid's early trigger.
-__device__ __forceinline__ void pdl_entry_small() {
-    pdl_entry();
-    pdl_trigger_small();
-}
 
 // ---------------------------------------------------------------- scalar helpers
 

@@ -13,7 +13,7 @@
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_q4_k(const u8* __restrict__ W, const int* __restrict__ ids, float* __restrict__ x, int K) {
-    pdl_entry_small();
+    pdl_entry();
     const int b = blockIdx.x, t = blockIdx.y, e = threadIdx.x;
     const size_t rb = (size_t)(K >> 8) * 144;
     const u8* blk = W + (size_t)ids[t] * rb + (size_t)b * 144;
@@ -37,7 +37,7 @@ embed_q4_k(const u8* __restrict__ W, const int* __restrict__ ids, float* __restr
 extern "C" __global__ void __launch_bounds__(256)
 embed_q6_k(const u8* __restrict__ W, const int* __restrict__ ids, float* __restrict__ x, int K,
            int bstride) {
-    pdl_entry_small();
+    pdl_entry();
     const int b = blockIdx.x, t = blockIdx.y, e = threadIdx.x;
     const size_t rb = (size_t)(K >> 8) * bstride;
     const u8* blk = W + (size_t)ids[t] * rb + (size_t)b * bstride;

@@ -12,7 +12,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 gather_add_rows(const float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ sel,
                 float* __restrict__ out, int d) {
-    pdl_entry_small();
+    pdl_entry();
     const int r = blockIdx.y;
     const int i = blockIdx.x * 256 + threadIdx.x;
     if (i >= d) return;

@@ -89,7 +89,7 @@ add_rmsnorm_q8_1(float* __restrict__ x, const float* __restrict__ y, const float
                  int K, float eps) {
     float4 wv[RN_MAXJ];
     rn_load_w(wv, w, K);                               // a weight: no wait for it
-    pdl_entry_small();
+    pdl_entry();
     __shared__ float red[RN_THREADS / 32];
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const int K4 = K >> 2;
@@ -136,7 +136,7 @@ add_rmsnorm_x16(float* __restrict__ x, const float* __restrict__ y, const float*
                 u16* __restrict__ Xt, int K, float eps) {
     float4 wv[RN_MAXJ];
     rn_load_w(wv, w, K);                               // a weight: no wait for it
-    pdl_entry_small();
+    pdl_entry();
     __shared__ float red[RN_THREADS / 32];
     __shared__ __align__(16) u16 st[RN_MAXJ * 4 * RN_THREADS];   // K <= 8192 f16: 16 KB
     const int r = blockIdx.x, tid = threadIdx.x, ngroups = (gridDim.x + 7) / 8;

@@ -32,7 +32,7 @@ qkv_rope(const float* __restrict__ qp, const float* __restrict__ kp, const float
          u16* __restrict__ qout, u16* __restrict__ kc, u16* __restrict__ vc,
          int n, int H, int KVH, int HD, const int* __restrict__ startp, int start0,
          const int* __restrict__ posv, const int* __restrict__ rowv, int maxT, int neox, float qscale) {
-    pdl_entry_small();
+    pdl_entry();
     const int t = blockIdx.y;
     int pos, row;
     if (posv) {

@@ -24,7 +24,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F,
             i8* __restrict__ q, float2* __restrict__ ds, long long n4) {
-    pdl_entry_small();
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // float4 index
     const int lane = threadIdx.x & 31;
     const bool ok = i < n4;                       // n4 = T*F/4; all lanes reach the shuffles
@@ -63,7 +63,7 @@ swiglu_q8_1(const float* __restrict__ g, const float* __restrict__ u, long long 
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_x16(const float* __restrict__ g, const float* __restrict__ u, long long ld, int F, int T,
            u16* __restrict__ Xt) {
-    pdl_entry_small();
+    pdl_entry();
     __shared__ __align__(16) u16 tile[4 * 512];       // the block's 4 runs of 8 chunks x 8 tokens x 8 k
     const int k0 = 256 * blockIdx.x, n0 = 8 * blockIdx.y, tid = threadIdx.x;
 #pragma unroll

@@ -6,7 +6,7 @@
 // x f32 [T, K] -> Xt f16 [K/64, ceil(T/8), 8, 8, 8] (x16_tiles.cuh): element (token n, logical
 // k L of super-block b) = f16(x[n, 256 b + P(L)]), zero for n >= T. One thread per element of Xt.
 __global__ void wgmma_tile_x16(const float* __restrict__ x, u16* __restrict__ Xt, int T, int K) {
-    pdl_entry_small();
+    pdl_entry();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int ngroups = (T + 7) / 8;
     if (i >= (size_t)ngroups * 8 * K) return;

@@ -54,14 +54,6 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
-// A wrapper's entry: the PDL wait, or with PDL_EARLY none (wgmma_gemm waits after its first
-// weight loads, then triggers early where the grid is small: common.cuh pdl_entry_small).
-#if PDL_EARLY
-#define WG_ENTRY()
-#else
-#define WG_ENTRY() pdl_entry()
-#endif
-
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
@@ -143,18 +135,6 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, 
     bulk_g2s(sbuf, src, bytes, bar);
 }
 
-// Lane t's registers of the block's first super-block sb0 (and with WT::PF > 0 its first PF
-// stages, j0 = 4 sb0 on): nst >= 4, the host keeps KP <= K / 256.
-template <class WT, int NSLOT>
-__device__ __forceinline__ void wg_load_first(typename WT::Sb& cur, typename WT::St (&st)[NSLOT], const u8* r0,
-                                              const u8* r1, int sb0, int j0, int t) {
-    WT::load(cur, r0, r1, sb0, t);
-    if constexpr (WT::PF > 0) {
-#pragma unroll
-        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, j0 + p, t);   // PF <= 4 <= nst
-    }
-}
-
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
 // the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
 // them after the K loop), then one 8-byte mbarrier per stage.
@@ -205,16 +185,6 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const u32 copy_bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
     const u64 desc0 = wg_desc(s0, 128, 1024);                   // buffer b: + b * STAGE_BYTES
 
-    constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
-    static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
-#if PDL_EARLY
-    // The first weights before the PDL wait (a weight: no predecessor writes it; the wrappers
-    // leave the wait to here, WG_ENTRY), so their latency overlaps the kernel before this one.
-    typename WT::Sb cur, nxt;
-    typename WT::St st[NSLOT];
-    wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
-    pdl_entry_small();
-#endif
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
@@ -231,11 +201,15 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 #pragma unroll
         for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
 
-#if !PDL_EARLY
     typename WT::Sb cur, nxt;
+    WT::load(cur, r0, r1, sb0, t);                // nst >= 4: the host keeps KP <= K / 256
+    constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
+    static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
     typename WT::St st[NSLOT];
-    wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
-#endif
+    if constexpr (WT::PF > 0) {
+#pragma unroll
+        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, j0 + p, t);   // PF <= 4 <= nst
+    }
     typename WT::Sc sc;
     u32 a[4][4];
     // Refills: STAGES < 8, each stage's buffer once both warpgroups retired it (a block barrier a
