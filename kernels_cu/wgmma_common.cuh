@@ -213,9 +213,9 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     typename WT::Sc sc;
     u32 a[4][4];
     // Refills: STAGES < 8, each stage's buffer once both warpgroups retired it (a block barrier a
-    // stage); STAGES >= 8 (ops.wgmma: the small token tiles under WG_SMALL_STAGES), the 4 buffers
-    // of a super-block together at the next super-block's first stage (a barrier a super-block),
-    // each refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
+    // stage); STAGES >= 8 (registry.wgmma_stages: token tiles <= 64), the 4 buffers of a
+    // super-block together at the next super-block's first stage (a barrier a super-block), each
+    // refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
     constexpr int RB = STAGES >= 8 ? 4 : 1;
     for (int sb = sb0; sb < sb1; ++sb) {
         if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);

@@ -214,9 +214,10 @@ def test_wgmma_pair_equals_two_launches(rng, T, Na, Nb, K, bt, kp):
     (17, 9216, 32, 8),         # 36 super-blocks in 8 parts of 4 / 5 (16 / 20 stages)
 ])
 def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
-    """WG_SMALL_STAGES (ops.wgmma.default_stages): with 8 activation buffers wgmma_gemm refills a
-    super-block's 4 buffers after one block barrier (RB = 4). Each launcher (q4_K, q6_K in both
-    layouts, the pair, the SwiGLU epilogue) gives the same bits as with the 4-buffer ring."""
+    """With 8 activation buffers (registry.wgmma_stages: production for token tiles <= 64)
+    wgmma_gemm refills a super-block's 4 buffers after one block barrier (RB = 4). Each launcher
+    (q4_K, q6_K in both layouts, the pair, the SwiGLU epilogue) gives the same bits as with the
+    4-buffer ring (WG_SMALL_STAGES=4, the A/B form)."""
     _sm90()
     import cupy as cp
 

@@ -201,6 +201,11 @@ WGMMA_KPS = (1, 2, 4)
 # at T = 32 (1.0-1.6x, one tie: q4_K 4096x11008), 64 (1.2-2.2x) and 128 (1.3-2.9x).
 WGMMA_MIN_TOKENS = 17
 WGMMA_STAGES = 4
+# Token tiles of at most 64 take 8 activation buffers: wgmma_gemm then refills a super-block's 4
+# buffers after one block barrier instead of one buffer after a barrier each stage (perf-log
+# Session 27, H100: pp128 +0.9-2.7% in 8 of 8 samples, pp32 -1.5..+5%; T = 64 GEMMs summed over
+# the 7B shapes 262.0 -> 250.3 us).
+WGMMA_SMALL_STAGES = 8
 WGMMA_WAVE_SMS = 132
 WGMMA_WIDE_TILES = 80
 WGMMA_SPLIT_BLOCKS = 3 * WGMMA_WAVE_SMS // 2
@@ -235,38 +240,45 @@ def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:
                          f"KP={kp} (1, 2, 4, 8) not supported")
 
 
-def _wgmma_name(kernel: str, lead: str, bt: int, stages: int, kp: int) -> str:
-    """`kernel<lead bt, stages>`, or its K-split twin `kernel_kp<lead bt, stages, kp>`."""
+def wgmma_stages(bt: int) -> int:
+    """Activation buffers of the production launch of a bt-token tile."""
+    return WGMMA_SMALL_STAGES if bt <= 64 else WGMMA_STAGES
+
+
+def _wgmma_name(kernel: str, lead: str, bt: int, stages: int | None, kp: int) -> str:
+    """`kernel<lead bt, stages>`, or its K-split twin `kernel_kp<lead bt, stages, kp>` (stages
+    None: the production count, wgmma_stages)."""
+    stages = stages or wgmma_stages(bt)
     _check_wgmma_config(kernel, bt, stages, kp)
     return f"{kernel}<{lead}{bt}, {stages}>" if kp == 1 else f"{kernel}_kp<{lead}{bt}, {stages}, {kp}>"
 
 
-def wgmma_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+def wgmma_instance(bt: int, stages: int | None = None, kp: int = 1) -> str:
     return _wgmma_name("wgmma_q4_k", "", bt, stages, kp)
 
 
-def wgmma_swiglu_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+def wgmma_swiglu_instance(bt: int, stages: int | None = None, kp: int = 1) -> str:
     """kernels_cu/wgmma_q4_k.cu's gate|up GEMM with SwiGLU fused (the down GEMM's f16 operand out)."""
     return _wgmma_name("wgmma_q4_k_swiglu", "", bt, stages, kp)
 
 
-def wgmma_q6_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+def wgmma_q6_instance(padded: bool, bt: int, stages: int | None = None, kp: int = 1) -> str:
     """kernels_cu/wgmma_q6_k.cu: PADDED selects the 224-byte (8-byte loads) or the raw 210-byte
     block layout (2-byte loads), bit-identical results."""
     return _wgmma_name("wgmma_q6_k", "true, " if padded else "false, ", bt, stages, kp)
 
 
-def wgmma_rope_instance(bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+def wgmma_rope_instance(bt: int, stages: int | None = None, kp: int = 1) -> str:
     """kernels_cu/wgmma_q4_k.cu's q|k|v GEMM with bias + RoPE + the K/V append fused (an A/B form)."""
     return _wgmma_name("wgmma_q4_k_rope", "", bt, stages, kp)
 
 
-def wgmma_pair_rope_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+def wgmma_pair_rope_instance(padded: bool, bt: int, stages: int | None = None, kp: int = 1) -> str:
     """kernels_cu/wgmma_pair.cu's q4_K [Wq; Wk] + q6_K Wv launch with the same fused epilogue."""
     return _wgmma_name("wgmma_pair_rope", "true, " if padded else "false, ", bt, stages, kp)
 
 
-def wgmma_pair_instance(padded: bool, bt: int, stages: int = WGMMA_STAGES, kp: int = 1) -> str:
+def wgmma_pair_instance(padded: bool, bt: int, stages: int | None = None, kp: int = 1) -> str:
     """kernels_cu/wgmma_pair.cu: a q4_K and a q6_K matrix (PADDED: its layout) in one launch."""
     return _wgmma_name("wgmma_pair", "true, " if padded else "false, ", bt, stages, kp)
 

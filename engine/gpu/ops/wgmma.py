@@ -13,7 +13,7 @@ Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), k
 256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
 mbarriers) in dynamic shared memory; kp > 1: clusters of the kp blocks of one output tile (the
 *_kp instances).
-bt, stages, kp default to the production choice (registry.wgmma_config, WGMMA_STAGES).
+bt, stages, kp default to the production choice (registry.wgmma_config, wgmma_stages).
 """
 from __future__ import annotations
 
@@ -74,12 +74,12 @@ def tile_x16(x, out=None):
 
 
 def default_stages(bt: int) -> int:
-    """Activation buffers of a bt-token launch: registry.WGMMA_STAGES, or for bt <= 64 the value
-    of the A/B define WG_SMALL_STAGES (8: wgmma_gemm refills a super-block's 4 buffers after one
-    block barrier instead of one buffer after a barrier each stage)."""
+    """Activation buffers of a bt-token launch: registry.wgmma_stages (8 for bt <= 64: wgmma_gemm
+    refills a super-block's 4 buffers after one block barrier), or for bt <= 64 the value of the
+    A/B define WG_SMALL_STAGES (4: the ring refilled a buffer a stage, each after a barrier)."""
     if bt <= 64:
-        return kernels.define_value("WG_SMALL_STAGES", registry.WGMMA_STAGES)
-    return registry.WGMMA_STAGES
+        return kernels.define_value("WG_SMALL_STAGES", registry.wgmma_stages(bt))
+    return registry.wgmma_stages(bt)
 
 
 def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
