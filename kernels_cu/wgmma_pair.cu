@@ -13,7 +13,7 @@
 #include "wgmma_q4_k.cu"
 #include "wgmma_q6_k.cu"
 
-// ROPE (an A/B form, wgmma_common.cuh): Wa = [Wq; Wk], Wb = Wv (its rows from global row Na on),
+// ROPE (ubatches of <= 32 tokens, wgmma_common.cuh): Wa = [Wq; Wk], Wb = Wv (its rows from global row Na on),
 // Ya / Yb unused, the outputs rope.cu's.
 template <bool PADDED, int BT, int STAGES, int KP, bool ROPE = false>
 __device__ __forceinline__ void wgmma_pair_block(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na,
@@ -54,7 +54,7 @@ wgmma_pair_kp(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u
     wgmma_pair_block<PADDED, BT, STAGES, KP>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K);
 }
 
-// The q|k|v GEMM with bias + RoPE + the K/V cache append fused (ROPE above; an A/B form):
+// The q|k|v GEMM with bias + RoPE + the K/V cache append fused (ROPE above):
 // [Wq; Wk] q4_K beside Wv q6_K in one launch, the outputs rope.cu's.
 template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())

@@ -1,6 +1,6 @@
-// wgmma_rope.cuh: the q|k|v GEMM's fused epilogue (wgmma_common.cuh wgmma_gemm<.., ROPE>, an A/B
-// form; engine.gpu.ops.wgmma.wgmma_qkv_rope; issues 12 and 14), apart from the GEMM so the CPU
-// emulator compiles it alone (tests/test_wgmma_reference.py).
+// wgmma_rope.cuh: the q|k|v GEMM's fused epilogue (wgmma_common.cuh wgmma_gemm<.., ROPE>, for
+// ubatches of <= 32 tokens: engine.gpu.ops.wgmma.qkv_rope_wanted; issues 12 and 14), apart from
+// the GEMM so the CPU emulator compiles it alone (tests/test_wgmma_reference.py).
 //
 // W's rows are [Wq; Wk; Wv] from global row row_base on (the pair launch's q6_K part: row_base =
 // Na), and the outputs are rope.cu's, bit for bit: qout f16 [H, T, HD] = rope(q + bq) * qscale,

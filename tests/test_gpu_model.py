@@ -854,16 +854,19 @@ def test_gpu_model_plumbing_emulated(tiny_qwen2_model_path):
 
 
 def test_gpu_model_qkv_rope_epilogue_emulated(tiny_qwen2_model_path, monkeypatch):
-    """WG_QKV_EPI=1 (an A/B form): on the Hopper route every layer's q|k|v group runs as one
-    wgmma_qkv_rope launch (an all-q4_K [Wq; Wk; Wv], or [Wq; Wk] q4_K beside a padded q6_K Wv) in
-    place of the GEMMs and qkv_rope, with the same logits bit for bit (emulated: the wiring, not
-    the kernel, which tests/test_gpu_wgmma.py checks on the GPU); short ubatches keep MMQ."""
+    """The fused q|k|v GEMM + RoPE epilogue (ops.wgmma.qkv_rope_wanted): on the Hopper route every
+    layer's q|k|v group of a ubatch of at most QKV_ROPE_MAX_T tokens runs as one wgmma_qkv_rope
+    launch (an all-q4_K [Wq; Wk; Wv], or [Wq; Wk] q4_K beside a padded q6_K Wv) in place of the
+    GEMMs and qkv_rope, longer ones only under WG_QKV_EPI=2 and none under WG_QKV_EPI=0, with the
+    same logits bit for bit (emulated: the wiring, not the kernel, which tests/test_gpu_wgmma.py
+    checks on the GPU); ubatches below wgmma_min_tokens keep MMQ."""
     from engine.gpu import ops
     from engine.formats.weights import open_model
     from tests.gpu_emulation import emulated_gpu
 
     mf = open_model(tiny_qwen2_model_path)
     ids = np.random.default_rng(2).integers(0, mf.config.vocab_size, 100)
+    assert ops.wgmma.QKV_ROPE_MAX_T == 32
     with emulated_gpu():
         from engine.gpu.model import GPUModel
 
@@ -872,14 +875,22 @@ def test_gpu_model_qkv_rope_epilogue_emulated(tiny_qwen2_model_path, monkeypatch
         monkeypatch.setattr(ops.wgmma, "wgmma_qkv_rope",
                             lambda ws, xt, T, *a, **kw: fused.append((T, len(ws))) or fq(ws, xt, T, *a, **kw))
         g = GPUModel(mf, ubatch=64)
-        g.wgmma_min_tokens = 64
-        plain = g.forward(ids, g.new_cache(100), all_logits=True)              # ubatches 64, 36
-        assert not fused
-        monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_QKV_EPI=1")
-        got = g.forward(ids, g.new_cache(100), all_logits=True)
-    assert np.array_equal(got, plain)
-    want = [(64, len(L.qkv)) for L in g.layers]
-    assert fused == want and {n for _, n in want} == {1, 2}, (fused, want)
+        g.wgmma_min_tokens = 20
+        logits = {}
+        for mode in ("0", "1", "2"):
+            monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", f"WG_QKV_EPI={mode}")
+            fused.clear()
+            logits[mode] = g.forward(ids, g.new_cache(100), all_logits=True)    # ubatches 64, 36
+            per_layer = [len(L.qkv) for L in g.layers]
+            want = {"0": [], "1": [], "2": [(64, n) for n in per_layer] + [(36, n) for n in per_layer]}[mode]
+            assert fused == want, (mode, fused)
+            fused.clear()
+            short = g.forward(ids[:24], g.new_cache(24), all_logits=True)          # one 24-token ubatch
+            assert fused == ([] if mode == "0" else [(24, n) for n in per_layer]), (mode, fused)
+            logits[mode + "short"] = short
+    assert {n for n in per_layer} == {1, 2}
+    assert np.array_equal(logits["1"], logits["0"]) and np.array_equal(logits["2"], logits["0"])
+    assert np.array_equal(logits["1short"], logits["0short"]) and np.array_equal(logits["2short"], logits["0short"])
 
 
 def test_gpu_model_hopper_path_emulated(tiny_qwen2_model_path, monkeypatch):

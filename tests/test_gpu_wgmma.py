@@ -301,7 +301,7 @@ def test_wgmma_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt, kp):
     ("pair", 300, 8, 4, 64, "normal", True, (128, 1), "start_dev"),
 ])
 def test_wgmma_qkv_rope_equals_gemm_then_qkv_rope(rng, layout, T, H, KVH, hd, rope_type, bias, cfg, where):
-    """wgmma_qkv_rope (the q|k|v GEMM with bias + RoPE + the K/V append fused, an A/B form) ==
+    """wgmma_qkv_rope (the q|k|v GEMM with bias + RoPE + the K/V append fused, production at T <= 32) ==
     wgmma_q4k / wgmma_pair with the same tile choice, then ops.rope.qkv_rope on its output, bit for
     bit: qout and both caches (written over NaN), positions from start, start_dev or varlen rows."""
     _sm90()

@@ -35,8 +35,8 @@ input is the same float32 activation rounded to f16 in a tiled layout, written b
 wgmma_act.cu); a producer whose consumers mix both paths writes both forms. A q4_K gate|up
 GEMM writes the down GEMM's operand itself (ops.wgmma.wgmma_swiglu: no [T, 2 d_ff] f32, no
 swiglu_x16; WG_SWIGLU_EPI=0 in GGUF_PREFILL_KERNEL_DEFINES: the unfused pair, for A/B runs).
-WG_QKV_EPI=1 there (an A/B form) runs the q|k|v GEMMs and rope.cu as one launch
-(ops.wgmma.wgmma_qkv_rope).
+Ubatches of at most 32 tokens run the q|k|v GEMMs and rope.cu as one launch
+(ops.wgmma.wgmma_qkv_rope, qkv_rope_wanted; WG_QKV_EPI=0 / 2: never / always, for A/B runs).
 
 Numerics: weights are the GGUF blocks (no dequantized copies); every MMQ GEMM input is q8_1
 (int8 + per-32 scale, like llama.cpp's MMQ), every wgmma GEMM input f16; Q, K, V and P are f16
@@ -422,13 +422,13 @@ class GPUModel:
     def _qkv_rope(self, L, i, a_d, xt, bufs, cache, start, start_dev, varlen, role_cols) -> None:
         """Layer i's q|k|v GEMMs, then bias + RoPE + f16 into bufs.qh and the K/V cache
         (ops.rope.qkv_rope); one launch doing both (ops.wgmma.wgmma_qkv_rope) where the group
-        fuses and GGUF_PREFILL_KERNEL_DEFINES has WG_QKV_EPI=1 (an A/B form)."""
+        fuses and the ubatch is short (ops.wgmma.qkv_rope_wanted)."""
         cfg = self.config
         ws = [s.w for s in L.qkv]
         rope = (L.bq, L.bk, L.bv, self._rope_cos, self._rope_sin, bufs.qh, cache.k_layer(i), cache.v_layer(i),
                 start, cfg.rope_type == "neox", cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         rows = None if varlen is None else varlen[:2]
-        if (xt is not None and kernels.define_value("WG_QKV_EPI", 0) and (len(ws) == 1 or self.mixed_launch)
+        if (xt is not None and ops.wgmma.qkv_rope_wanted(bufs.T) and (len(ws) == 1 or self.mixed_launch)
                 and all(self._on_wgmma(w, bufs.T) for w in ws)
                 and ops.wgmma.qkv_rope_fusable(ws, bufs.T, cfg.q_dim, cfg.kv_dim, cfg.head_dim)):
             with self._span("gemm_q4_k_rope" if len(ws) == 1 else "gemm_q4_k+q6_k_rope"):

@@ -269,7 +269,7 @@ def wgmma_q6_instance(padded: bool, bt: int, stages: int | None = None, kp: int 
 
 
 def wgmma_rope_instance(bt: int, stages: int | None = None, kp: int = 1) -> str:
-    """kernels_cu/wgmma_q4_k.cu's q|k|v GEMM with bias + RoPE + the K/V append fused (an A/B form)."""
+    """kernels_cu/wgmma_q4_k.cu's q|k|v GEMM with bias + RoPE + the K/V append fused (T <= 32)."""
     return _wgmma_name("wgmma_q4_k_rope", "", bt, stages, kp)
 
 

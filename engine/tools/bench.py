@@ -42,7 +42,7 @@ CATEGORIES = {
     "gemm_q6_k": "q6_K GEMMs",
     "gemm_q4_k+q6_k": PAIR,
     "gemm_q4_k_swiglu": "q4_K GEMMs",         # the gate|up GEMM with SwiGLU fused
-    "gemm_q4_k_rope": "q4_K GEMMs",           # the q|k|v GEMMs with bias + RoPE fused (an A/B form)
+    "gemm_q4_k_rope": "q4_K GEMMs",           # the q|k|v GEMMs with bias + RoPE fused (T <= 32)
     "gemm_q4_k+q6_k_rope": PAIR,
     "gemm_output_q6_k": "q6_K GEMMs",
     "gemm_output_q4_k": "q4_K GEMMs",

@@ -7,7 +7,7 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
     y = wgmma_q6k(weight, xt, T, out, bt, stages, kp) # DeviceWeight q6_K (padded or raw), same xt
     ya, yb = wgmma_pair(wa, wb, xt, T, out_a, out_b)  # q4_K wa and q6_K wb in one launch (wgmma_pair.cu)
     ht = wgmma_swiglu(w_gate_up, xt, T, out)          # q4_K [gate; up] -> tiled f16 of silu(g) * u
-    wgmma_qkv_rope(ws, xt, T, bq, .., kc, vc, ..)     # [q; k; v] -> rope.cu's outputs (an A/B form)
+    wgmma_qkv_rope(ws, xt, T, bq, .., kc, vc, ..)     # [q; k; v] -> rope.cu's outputs (T <= 32)
 
 Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts),
 256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
@@ -216,6 +216,21 @@ def _qkv_group(weights, q_dim: int, kv_dim: int, head_dim: int) -> bool:
             and weights[1].rows == kv_dim)
 
 
+# The q|k|v GEMM takes the fused RoPE epilogue for ubatches of at most this many tokens (one
+# 32-token tile): H100, Session 27, pp32 +0.5..+9% in 5 of 5 samples, but pp64 0.98, pp128
+# 0.89-1.02, pp3314 0.92-0.97 (the epilogue's scattered f16 stores cost more than the qkv_rope
+# launch they save once the tiles are wide). GGUF_PREFILL_KERNEL_DEFINES WG_QKV_EPI=0: never,
+# WG_QKV_EPI=2: at every T (the A/B forms).
+QKV_ROPE_MAX_T = 32
+
+
+def qkv_rope_wanted(T: int) -> bool:
+    """Whether a T-token ubatch's q|k|v group should take the fused epilogue (QKV_ROPE_MAX_T and
+    the WG_QKV_EPI define); qkv_rope_fusable says whether it can."""
+    mode = kernels.define_value("WG_QKV_EPI", 1)
+    return mode == 2 or (mode == 1 and T <= QKV_ROPE_MAX_T)
+
+
 def qkv_rope_fusable(weights, T: int, q_dim: int, kv_dim: int, head_dim: int) -> bool:
     """Whether wgmma_qkv_rope takes this q|k|v group at T tokens: _qkv_group's layout and a
     production K split that has an instance (KP < 8)."""
@@ -226,8 +241,8 @@ def qkv_rope_fusable(weights, T: int, q_dim: int, kv_dim: int, head_dim: int) ->
 def wgmma_qkv_rope(weights, xt, T: int, bq, bk, bv, cos, sin, qout, kc, vc, start: int, neox: bool,
                    n_heads: int, n_kv_heads: int, head_dim: int, start_dev=None, rows=None,
                    bt: int | None = None, stages: int | None = None, kp: int | None = None) -> None:
-    """The q|k|v GEMM with bias + RoPE + the K/V append fused (an A/B form; kernels_cu/
-    wgmma_rope.cuh): `weights` as qkv_rope_fusable takes them, xt as wgmma_q4k's; the
+    """The q|k|v GEMM with bias + RoPE + the K/V append fused (production at T <= QKV_ROPE_MAX_T;
+    kernels_cu/wgmma_rope.cuh): `weights` as qkv_rope_fusable takes them, xt as wgmma_q4k's; the
     outputs (qout, kc, vc) and every other argument as ops.rope.qkv_rope's, bit for bit what the
     GEMM (wgmma_q4k / wgmma_pair, same bt, stages, kp) and then qkv_rope make."""
     from engine.gpu.ops.rope import rope_params
