@@ -10,7 +10,7 @@ One weight set on the device serves both modes:
   protocol of engine/session.py), taken from a pool of sessions by size bucket.
 `new_cache(max_tokens)` -> engine.gpu.kv_cache.GPUKVCache, the one KV cache class of both.
 
-A prompt runs in ubatches of at most `ubatch` tokens (default 4096); per ubatch of T tokens
+A prompt runs in ubatches of at most `ubatch` tokens (default 8192); per ubatch of T tokens
 at positions start.. (x: [T, d] float32 residual stream, A: q8_1 activations):
 
     x = embed(ids)                                     embed.cu (q4_K / q6_K rows, per token)
