@@ -782,6 +782,24 @@ def test_forward_vs_reference(models, name, n):
 
 
 @pytest.mark.gpu
+def test_forward_one_long_ubatch(models):
+    """A 6,000-token prompt as one ubatch (the default ubatch is 8,192: ubatch_plan) and split
+    at 4,096: both within the bound of the reference, every position."""
+    from engine.gpu.model import GPUModel
+
+    mf, ref, gpu = models["tiny-qwen2"]
+    assert gpu.ubatch >= 6000 and gpu.ubatch_bounds(6000) == [(0, 6000)]
+    n = 6000
+    ids = np.random.default_rng(11).integers(0, mf.config.vocab_size, n)
+    lr = ref.forward(ids, ref.new_cache(n), all_logits=True)
+    _check(_compare("tiny-qwen2 n=6000 one ubatch", gpu.forward(ids, gpu.new_cache(n), all_logits=True), lr,
+                    BOUNDS["tiny-qwen2"]))
+    split = GPUModel(mf, ubatch=4096)
+    _check(_compare("tiny-qwen2 n=6000 ubatch=4096", split.forward(ids, split.new_cache(n), all_logits=True), lr,
+                    BOUNDS["tiny-qwen2"]))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-qwen2", "slice"])
 def test_forward_ubatches_and_continuation(models, name):
     """Prompt split into ubatches of 256 and continued in a second forward: same bound."""
