@@ -13,8 +13,8 @@
 #include "wgmma_q4_k.cu"
 #include "wgmma_q6_k.cu"
 
-// ROPE (ubatches of <= 32 tokens, wgmma_common.cuh): Wa = [Wq; Wk], Wb = Wv (its rows from global row Na on),
-// Ya / Yb unused, the outputs rope.cu's.
+// ROPE (ubatches of <= 32 tokens, wgmma_common.cuh): Wa = [Wq; Wk], Wb = Wv (its rows from
+// global row Na on), Ya / Yb unused, the outputs rope.cu's.
 template <bool PADDED, int BT, int STAGES, int KP, bool ROPE = false>
 __device__ __forceinline__ void wgmma_pair_block(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na,
                                                  const u8* __restrict__ Wb, float* __restrict__ Yb, int Nb,

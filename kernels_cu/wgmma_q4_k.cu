@@ -131,8 +131,9 @@ wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* _
     wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
 }
 
-// The q|k|v GEMM with bias + RoPE + the K/V cache append fused (wgmma_common.cuh ROPE;
-// ubatches of <= 32 tokens): W = [Wq; Wk; Wv], every row q4_K; the outputs rope.cu's. Grid as wgmma_q4_k's over N.
+// The q|k|v GEMM with bias + RoPE + the K/V cache append fused (wgmma_common.cuh ROPE; ubatches
+// of <= 32 tokens): W = [Wq; Wk; Wv], every row q4_K; the outputs rope.cu's. Grid as
+// wgmma_q4_k's over N.
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_rope(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, WG_ROPE_PARAMS) {

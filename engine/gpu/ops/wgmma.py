@@ -77,9 +77,8 @@ def default_stages(bt: int) -> int:
     """Activation buffers of a bt-token launch: registry.wgmma_stages (8 for bt <= 64: wgmma_gemm
     refills a super-block's 4 buffers after one block barrier), or for bt <= 64 the value of the
     A/B define WG_SMALL_STAGES (4: the ring refilled a buffer a stage, each after a barrier)."""
-    if bt <= 64:
-        return kernels.define_value("WG_SMALL_STAGES", registry.wgmma_stages(bt))
-    return registry.wgmma_stages(bt)
+    stages = registry.wgmma_stages(bt)
+    return kernels.define_value("WG_SMALL_STAGES", stages) if bt <= 64 else stages
 
 
 def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
@@ -217,10 +216,10 @@ def _qkv_group(weights, q_dim: int, kv_dim: int, head_dim: int) -> bool:
 
 
 # The q|k|v GEMM takes the fused RoPE epilogue for ubatches of at most this many tokens (one
-# 32-token tile): H100, Session 27, pp32 +0.5..+9% in 5 of 5 samples, but pp64 0.98, pp128
-# 0.89-1.02, pp3314 0.92-0.97 (the epilogue's scattered f16 stores cost more than the qkv_rope
-# launch they save once the tiles are wide). GGUF_PREFILL_KERNEL_DEFINES WG_QKV_EPI=0: never,
-# WG_QKV_EPI=2: at every T (the A/B forms).
+# 32-token tile): H100, Session 27, pp32 about +1% in the clean samples (+0.5..+2.0%), but pp64
+# 0.98, pp128 0.89-1.02, pp3314 0.92-0.97 (the epilogue's scattered f16 stores cost more than
+# the qkv_rope launch they save once the tiles are wide; not profiled). GGUF_PREFILL_KERNEL_DEFINES
+# WG_QKV_EPI=0: never, WG_QKV_EPI=2: at every T (the A/B forms).
 QKV_ROPE_MAX_T = 32
 
 
