@@ -54,6 +54,18 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
+// A wrapper's entry: the PDL wait, or with WG_WEARLY (an A/B define, off) none: wgmma_gemm waits
+// after its first weight loads, so their DRAM latency overlaps the end of the kernel before it
+// (PDL_EARLY, retired, did this together with an early trigger: dev/RETIRED.md).
+#ifndef WG_WEARLY
+#define WG_WEARLY 0
+#endif
+#if WG_WEARLY
+#define WG_ENTRY()
+#else
+#define WG_ENTRY() pdl_entry()
+#endif
+
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
@@ -135,6 +147,18 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, 
     bulk_g2s(sbuf, src, bytes, bar);
 }
 
+// Lane t's registers of the block's first super-block sb0 (and with WT::PF > 0 its first PF
+// stages, j0 = 4 sb0 on): nst >= 4, the host keeps KP <= K / 256.
+template <class WT, int NSLOT>
+__device__ __forceinline__ void wg_load_first(typename WT::Sb& cur, typename WT::St (&st)[NSLOT], const u8* r0,
+                                              const u8* r1, int sb0, int j0, int t) {
+    WT::load(cur, r0, r1, sb0, t);
+    if constexpr (WT::PF > 0) {
+#pragma unroll
+        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, j0 + p, t);   // PF <= 4 <= nst
+    }
+}
+
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
 // the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
 // them after the K loop), then one 8-byte mbarrier per stage.
@@ -144,7 +168,7 @@ constexpr u32 wg_stage_area() {
 }
 
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
-// it after pdl_entry(), tile = wg_block_tiles().row, or a tile of one of two matrices:
+// it after WG_ENTRY(), tile = wg_block_tiles().row, or a tile of one of two matrices:
 // wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part, launched as
 // clusters of KP blocks along z (__cluster_dims__ on the wrapper): part p runs super-blocks
 // nsb p / KP .. nsb (p + 1) / KP - 1, then the parts add their f32 tiles through distributed
@@ -185,6 +209,16 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     const u32 copy_bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
     const u64 desc0 = wg_desc(s0, 128, 1024);                   // buffer b: + b * STAGE_BYTES
 
+    constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
+    static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
+#if WG_WEARLY
+    // The first weights before the PDL wait (a weight: no predecessor writes it; the wrappers
+    // leave the wait to here, WG_ENTRY), so their latency overlaps the kernel before this one.
+    typename WT::Sb cur, nxt;
+    typename WT::St st[NSLOT];
+    wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
+    pdl_entry();
+#endif
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
@@ -201,15 +235,11 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 #pragma unroll
         for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
 
+#if !WG_WEARLY
     typename WT::Sb cur, nxt;
-    WT::load(cur, r0, r1, sb0, t);                // nst >= 4: the host keeps KP <= K / 256
-    constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
-    static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
     typename WT::St st[NSLOT];
-    if constexpr (WT::PF > 0) {
-#pragma unroll
-        for (int p = 0; p < WT::PF; ++p) WT::load_stage(st[p], r0, r1, j0 + p, t);   // PF <= 4 <= nst
-    }
+    wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
+#endif
     typename WT::Sc sc;
     u32 a[4][4];
     // Refills: STAGES < 8, each stage's buffer once both warpgroups retired it (a block barrier a

@@ -169,3 +169,23 @@ def test_choose_variant_split_flag(monkeypatch):
     assert gpu_ops.choose_variant("q6_k", 200, 4096, sm_count=132) == \
         gpu_ops.SMALL_VARIANT["q6_k"] + kernels.MMQ_SPLIT_SUFFIX
     assert gpu_ops.choose_variant("q4_k", 3314, 4096, sm_count=132) == gpu_ops.DEFAULT_VARIANT["q4_k"]
+
+
+@pytest.mark.parametrize("fname,instance", [
+    ("wgmma_q4_k.cu", "wgmma_q4_k_kp<32, 8, 4>"),
+    ("wgmma_pair.cu", "wgmma_pair_kp<true, 32, 8, 2>"),
+])
+def test_weights_before_wait_define(monkeypatch, fname, instance):
+    """WG_WEARLY (wgmma_common.cuh, an A/B define): a wgmma GEMM's first weight loads
+    (ld.global.nc) come before its griddepcontrol.wait under the define and after it in
+    production; neither form triggers its successor early (no launch_dependents)."""
+    from dev.sass_dump import ptx
+
+    for early in (False, True):
+        monkeypatch.setenv(kernels.DEFINES_ENV, "WG_WEARLY=1" if early else "")
+        text, lowered = ptx(fname, instance)
+        body = text[text.index(f".entry {lowered}"):]
+        body = body[:body.index("\n}\n")]
+        assert "griddepcontrol.launch_dependents" not in body
+        wait, load = body.index("griddepcontrol.wait"), body.find("ld.global.nc")
+        assert (0 <= load < wait) == early, (instance, early, load, wait)
