@@ -9,6 +9,9 @@ changes its GEMM time: pp8192 in ubatches of 3,584 + 3,584 + 1,024 tokens runs 4
 wave-costs on qwen2-7b than 4,096 + 4,096 (measured: pp8192 +2.2%, docs/perf-log.md Session 23),
 while llama2-7b and llama3-8b (4,096 rows: 3.88 waves) model best at 4,096.
 
+With the default ubatch of 8,192 tokens (DEFAULT_UBATCH) a prompt of up to 8,192 tokens is one
+ubatch; the split below applies to longer ones (and to smaller GGUF_PREFILL_UBATCH values).
+
 plan_ubatches(n, ubatch, gemms): ubatches of U tokens (the last one the rest), U = ubatch or a
 multiple of 256 in [ubatch / 2, ubatch), whichever split has the smallest modeled cost over the
 model's layer GEMMs (ties: the largest U, so the fewest ubatches); one ubatch when n <= ubatch,
