@@ -349,6 +349,9 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 }
     } else {
 #if WG_PUSH
+        // (The owner's sums below repeat the pull form's after #else with local reads for remote
+        // ones: kept apart so the production machine code stays the GPU-tested one; whichever
+        // form loses goes, and the repetition with it.)
         // Push: each part stores its accumulators into the owning part's slots (remote shared
         // stores: no round trip), one cluster barrier, then the owner adds slots q = 0 .. KP - 1
         // from its own shared memory in the pull form's order (the same bits). Owner and slot of
