@@ -331,6 +331,19 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                     }
                 }
     };
+    // Plain outputs (K split): accumulator c = h NACC + i (row g + 8 ((i >> 1) & 1), token BN h +
+    // 8 (i >> 2) + 2 t + (i & 1)) into Y; sum(c, y) gives its sum, or false where another part stores it.
+    auto plain_store = [&](auto sum) {
+#pragma unroll
+        for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+            for (int i = 0; i < Tile::NACC; ++i) {
+                float y;
+                if (!sum(h * Tile::NACC + i, y)) continue;              // uniform over the block
+                const int tok = tok0 + Tile::BN * h + 8 * (i >> 2) + 2 * t + (i & 1);
+                if (tok < T) Y[(size_t)tok * N + row0 + 8 * ((i >> 1) & 1)] = y;
+            }
+    };
     if constexpr ((SWIGLU || ROPE) && KP == 1) {
         pair_store([&](int h, int i, int e, float& vg, float& vu) {
             vg = acc[h][4 * i + e];
@@ -349,9 +362,6 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 }
     } else {
 #if WG_PUSH
-        // (The owner's sums below repeat the pull form's after #else with local reads for remote
-        // ones: kept apart so the production machine code stays the GPU-tested one; whichever
-        // form loses goes, and the repetition with it.)
         // Push: each part stores its accumulators into the owning part's slots (remote shared
         // stores: no round trip), one cluster barrier, then the owner adds slots q = 0 .. KP - 1
         // from its own shared memory in the pull form's order (the same bits). Owner and slot of
@@ -393,18 +403,13 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 return true;
             });
         } else {
+            plain_store([&](int c, float& v) {
+                if (c % KP != (int)rank) return false;
+                v = 0.0f;
 #pragma unroll
-            for (int h = 0; h < Tile::NH; ++h)
-#pragma unroll
-                for (int i = 0; i < Tile::NACC; ++i) {
-                    const int c = h * Tile::NACC + i;
-                    if (c % KP != (int)rank) continue;
-                    float v = 0.0f;
-#pragma unroll
-                    for (int q = 0; q < KP; ++q) v += pslots[slot_of(c / KP, q)];
-                    const int tok = tok0 + Tile::BN * h + 8 * (i >> 2) + 2 * t + (i & 1);
-                    if (tok < T) Y[(size_t)tok * N + row0 + 8 * ((i >> 1) & 1)] = v;
-                }
+                for (int q = 0; q < KP; ++q) v += pslots[slot_of(c / KP, q)];
+                return true;
+            });
         }
 #else
         // Partial tile over the stage buffers (every stage consumed: no copy in flight), accumulator
@@ -431,19 +436,14 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 return true;
             });
         } else {
+            plain_store([&](int c, float& v) {
+                if (c % KP != (int)rank) return false;
+                const u32 addr = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4;
+                v = 0.0f;
 #pragma unroll
-            for (int h = 0; h < Tile::NH; ++h)
-#pragma unroll
-                for (int i = 0; i < Tile::NACC; ++i) {
-                    const int c = h * Tile::NACC + i;
-                    if (c % KP != (int)rank) continue;
-                    const u32 addr = s0 + (u32)(c * WG_THREADS + threadIdx.x) * 4;
-                    float v = 0.0f;
-#pragma unroll
-                    for (int q = 0; q < KP; ++q) v += ld_dsmem_f32(addr, q);
-                    const int tok = tok0 + Tile::BN * h + 8 * (i >> 2) + 2 * t + (i & 1);
-                    if (tok < T) Y[(size_t)tok * N + row0 + 8 * ((i >> 1) & 1)] = v;
-                }
+                for (int q = 0; q < KP; ++q) v += ld_dsmem_f32(addr, q);
+                return true;
+            });
         }
         cluster_sync();                                // no block leaves while its tile is read
 #endif
