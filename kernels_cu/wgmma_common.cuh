@@ -54,18 +54,6 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
-// A wrapper's entry: the PDL wait, or with WG_WEARLY (an A/B define, off) none: wgmma_gemm waits
-// after its first weight loads, so their DRAM latency overlaps the end of the kernel before it
-// (PDL_EARLY, retired, did this together with an early trigger: dev/RETIRED.md).
-#ifndef WG_WEARLY
-#define WG_WEARLY 0
-#endif
-#if WG_WEARLY
-#define WG_ENTRY()
-#else
-#define WG_ENTRY() pdl_entry()
-#endif
-
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
@@ -130,17 +118,6 @@ __device__ __forceinline__ u32 cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// The split form of cluster_sync (WG_PUSH): arrive without waiting, then wait for that phase.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-// v to shared address `addr` of this CTA's layout in cluster CTA `rank` (distributed shared memory).
-__device__ __forceinline__ void st_dsmem_f32(u32 addr, u32 rank, float v) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(remote), "f"(v) : "memory");
-}
 // f32 at shared address `addr` of this CTA's layout, in cluster CTA `rank` (distributed shared memory).
 __device__ __forceinline__ float ld_dsmem_f32(u32 addr, u32 rank) {
     u32 remote;
@@ -178,19 +155,8 @@ constexpr u32 wg_stage_area() {
     return (KP > 1 && BT * 512 > STAGES * BT * WG_BK * 2) ? BT * 512 : STAGES * BT * WG_BK * 2;
 }
 
-// WG_PUSH (an A/B define, off; ops.wgmma.smem_bytes mirrors it): with KP > 1 the parts push
-// their accumulators into slots of the owning part, a region of BT * 512 bytes past the
-// mbarriers (16-byte aligned), apart from the stage buffers that part may still be reading.
-#ifndef WG_PUSH
-#define WG_PUSH 0
-#endif
-template <int BT, int STAGES, int KP>
-constexpr u32 wg_push_off() {
-    return (wg_stage_area<BT, STAGES, KP>() + 8 * STAGES + 15) / 16 * 16;
-}
-
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
-// it after WG_ENTRY(), tile = wg_block_tiles().row, or a tile of one of two matrices:
+// it first (it makes the PDL wait itself), tile = wg_block_tiles().row, or a tile of one of two matrices:
 // wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part, launched as
 // clusters of KP blocks along z (__cluster_dims__ on the wrapper): part p runs super-blocks
 // nsb p / KP .. nsb (p + 1) / KP - 1, then the parts add their f32 tiles through distributed
@@ -233,23 +199,20 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 
     constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;  // stage j lives in slot j % NSLOT = jj % NSLOT
     static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
-#if WG_WEARLY
     // The first weights before the PDL wait (a weight: no predecessor writes it; the wrappers
-    // leave the wait to here, WG_ENTRY), so their latency overlaps the kernel before this one.
+    // leave the wait to here), so their DRAM latency overlaps the end of the kernel before this
+    // one, whose grid must still complete (no early trigger: PDL_EARLY, retired). H200:
+    // pp128 +0.3..+1.6%, pp3314 / pp8192 +0..+1% (docs/perf-log.md Session 28).
     typename WT::Sb cur, nxt;
     typename WT::St st[NSLOT];
     wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
     pdl_entry();
-#endif
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-#if WG_PUSH
-    if constexpr (KP > 1) cluster_arrive_relaxed();    // this part has started (WG_PUSH's first phase)
-#endif
     if (threadIdx.x == 0)
         for (int l = 0; l < STAGES && l < nst; ++l)
             wg_bulk_stage(s0 + l * STAGE_BYTES, bars + 8 * l, src0 + l * src_step, copy_bytes);
@@ -260,11 +223,6 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 #pragma unroll
         for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
 
-#if !WG_WEARLY
-    typename WT::Sb cur, nxt;
-    typename WT::St st[NSLOT];
-    wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
-#endif
     typename WT::Sc sc;
     u32 a[4][4];
     // Refills: STAGES < 8, each stage's buffer once both warpgroups retired it (a block barrier a
@@ -361,57 +319,6 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                     if (tok < T) Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = acc[h][4 * i + e];
                 }
     } else {
-#if WG_PUSH
-        // Push: each part stores its accumulators into the owning part's slots (remote shared
-        // stores: no round trip), one cluster barrier, then the owner adds slots q = 0 .. KP - 1
-        // from its own shared memory in the pull form's order (the same bits). Owner and slot of
-        // accumulator i of token half h: plain, c = h NACC + i, part c % KP, slot c / KP; pairs
-        // (SWIGLU / ROPE: i = 4 i' + e + 2 u, pair (h NACC / 4 + i') 2 + e), part pair % KP, slot
-        // 2 (pair / KP) + u. Slot s of part q: float (s KP + q) WG_THREADS + thread.
-        const u32 rank = cluster_rank(), pbase = s0 + wg_push_off<BT, STAGES, KP>();
-        const float* pslots = reinterpret_cast<const float*>(smem + wg_push_off<BT, STAGES, KP>());
-        auto slot_of = [](int s, int q) { return (s * KP + q) * WG_THREADS + (int)threadIdx.x; };
-        cluster_wait();                                // every part has started (its entry's arrive)
-#pragma unroll
-        for (int h = 0; h < Tile::NH; ++h)
-#pragma unroll
-            for (int i = 0; i < Tile::NACC; ++i) {
-                int owner, slot;
-                if constexpr (SWIGLU || ROPE) {
-                    const int pair = (h * Tile::NACC / 4 + (i >> 2)) * 2 + (i & 1);
-                    owner = pair % KP;
-                    slot = 2 * (pair / KP) + ((i >> 1) & 1);
-                } else {
-                    const int c = h * Tile::NACC + i;
-                    owner = c % KP;
-                    slot = c / KP;
-                }
-                st_dsmem_f32(pbase + (u32)slot_of(slot, (int)rank) * 4, (u32)owner, acc[h][i]);
-            }
-        cluster_sync();                                // every push landed and is visible
-        if constexpr (SWIGLU || ROPE) {
-            pair_store([&](int h, int i, int e, float& vg, float& vu) {
-                const int pair = (h * Tile::NACC / 4 + i) * 2 + e;
-                if (pair % KP != (int)rank) return false;
-                const int sg = 2 * (pair / KP);
-                vg = vu = 0.0f;
-#pragma unroll
-                for (int q = 0; q < KP; ++q) {
-                    vg += pslots[slot_of(sg, q)];
-                    vu += pslots[slot_of(sg + 1, q)];
-                }
-                return true;
-            });
-        } else {
-            plain_store([&](int c, float& v) {
-                if (c % KP != (int)rank) return false;
-                v = 0.0f;
-#pragma unroll
-                for (int q = 0; q < KP; ++q) v += pslots[slot_of(c / KP, q)];
-                return true;
-            });
-        }
-#else
         // Partial tile over the stage buffers (every stage consumed: no copy in flight), accumulator
         // c of thread x at float c * WG_THREADS + x; accumulator c of the tile is summed by part c % KP.
         float* part = (float*)smem;
@@ -446,6 +353,5 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
             });
         }
         cluster_sync();                                // no block leaves while its tile is read
-#endif
     }
 }

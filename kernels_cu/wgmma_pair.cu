@@ -42,7 +42,6 @@ template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
 wgmma_pair(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u8* __restrict__ Wb,
            float* __restrict__ Yb, int Nb, const u8* __restrict__ Xt, int T, int K) {
-    WG_ENTRY();
     wgmma_pair_block<PADDED, BT, STAGES, 1>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K);
 }
 
@@ -50,7 +49,6 @@ template <bool PADDED, int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
 wgmma_pair_kp(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u8* __restrict__ Wb,
               float* __restrict__ Yb, int Nb, const u8* __restrict__ Xt, int T, int K) {
-    WG_ENTRY();
     wgmma_pair_block<PADDED, BT, STAGES, KP>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K);
 }
 
@@ -60,7 +58,6 @@ template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
 wgmma_pair_rope(const u8* __restrict__ Wa, int Na, const u8* __restrict__ Wb, int Nb, const u8* __restrict__ Xt, int T,
                 int K, WG_ROPE_PARAMS) {
-    WG_ENTRY();
     const WgRope rope = WG_ROPE_ARGS;
     wgmma_pair_block<PADDED, BT, STAGES, 1, true>(Wa, nullptr, Na, Wb, nullptr, Nb, Xt, T, K, &rope);
 }
@@ -69,7 +66,6 @@ template <bool PADDED, int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, wg_pair_min_blocks<PADDED, BT>())
 wgmma_pair_rope_kp(const u8* __restrict__ Wa, int Na, const u8* __restrict__ Wb, int Nb, const u8* __restrict__ Xt,
                    int T, int K, WG_ROPE_PARAMS) {
-    WG_ENTRY();
     const WgRope rope = WG_ROPE_ARGS;
     wgmma_pair_block<PADDED, BT, STAGES, KP, true>(Wa, nullptr, Na, Wb, nullptr, Nb, Xt, T, K, &rope);
 }

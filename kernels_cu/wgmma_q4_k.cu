@@ -101,7 +101,6 @@ static __device__ __forceinline__ void frags(u32 (&a)[4][4], const Sb& s, const 
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
-    WG_ENTRY();
     wgmma_gemm<WgQ4K, BT, STAGES>(W, Xt, Y, T, N, K, wg_block_tiles().row);
 }
 
@@ -110,7 +109,6 @@ wgmma_q4_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restric
 template <int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
-    WG_ENTRY();
     wgmma_gemm<WgQ4K, BT, STAGES, KP>(W, Xt, Y, T, N, K, wg_block_tiles().row);
 }
 
@@ -119,7 +117,6 @@ wgmma_q4_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __rest
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_swiglu(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N, int K) {
-    WG_ENTRY();
     wgmma_gemm<WgQ4K, BT, STAGES, 1, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
 }
 
@@ -127,7 +124,6 @@ template <int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N,
                      int K) {
-    WG_ENTRY();
     wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
 }
 
@@ -137,7 +133,6 @@ wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* _
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_rope(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, WG_ROPE_PARAMS) {
-    WG_ENTRY();
     const WgRope rope = WG_ROPE_ARGS;
     wgmma_gemm<WgQ4K, BT, STAGES, 1, false, true>(W, Xt, nullptr, T, N, K, wg_block_tiles().row, &rope);
 }
@@ -145,7 +140,6 @@ wgmma_q4_k_rope(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int 
 template <int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_rope_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, WG_ROPE_PARAMS) {
-    WG_ENTRY();
     const WgRope rope = WG_ROPE_ARGS;
     wgmma_gemm<WgQ4K, BT, STAGES, KP, false, true>(W, Xt, nullptr, T, N, K, wg_block_tiles().row, &rope);
 }

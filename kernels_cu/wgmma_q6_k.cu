@@ -152,7 +152,6 @@ constexpr int wg_q6_pf() { return BT >= 256 ? WG_Q6_PF256 : BT >= 128 ? WG_Q6_PF
 template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
-    WG_ENTRY();
     wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES>(W, Xt, Y, T, N, K, wg_block_tiles().row);
 }
 
@@ -160,7 +159,6 @@ wgmma_q6_k(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restric
 template <bool PADDED, int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
-    WG_ENTRY();
     wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(W, Xt, Y, T, N, K, wg_block_tiles().row);
 }
 #endif

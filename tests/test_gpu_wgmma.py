@@ -256,44 +256,6 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     same(swiglu)
 
 
-@pytest.mark.parametrize("T,K,bt,kp", [
-    (32, 4096, 32, 4),         # Wo at 32 tokens
-    (24, 2816, 64, 2),         # ragged tokens, uneven parts
-    (17, 9216, 32, 8),         # 8 parts: one accumulator pair a part
-    (64, 3584, 64, 8),
-])
-def test_wgmma_push_epilogue_same_bits(rng, monkeypatch, T, K, bt, kp):
-    """WG_PUSH (an A/B define): the K-split parts push their partial tiles into the owner's
-    shared memory and the owner adds them in the same order, so every launcher (q4_K, q6_K
-    padded, the pair, the SwiGLU epilogue) gives the production (pull) form's bits."""
-    _sm90()
-    import cupy as cp
-
-    from engine.gpu.kernels import DEFINES_ENV
-    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
-    from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
-    from engine.gpu.weights import upload_weight
-
-    N = 512
-    w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
-    w6 = upload_weight(random_blocks(rng, "q6_k", N, K, special=True), "Q6_K", pad_q6k=True)
-    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
-
-    def outputs():
-        ya, yb = (cp.full((T, N), np.nan, dtype=cp.float32) for _ in range(2))
-        wgmma_pair(w4, w6, xt, T, ya, yb, bt=bt, kp=kp)
-        h = tiled_buffer(T, N // 2)
-        wgmma_swiglu(w4, xt, T, out=h, bt=bt, kp=kp)
-        return [wgmma_q4k(w4, xt, T, bt=bt, kp=kp), wgmma_q6k(w6, xt, T, bt=bt, kp=kp), ya, yb, h]
-
-    monkeypatch.setenv(DEFINES_ENV, "")
-    want = [cp.asnumpy(a) for a in outputs()]
-    monkeypatch.setenv(DEFINES_ENV, "WG_PUSH=1")
-    got = [cp.asnumpy(a) for a in outputs()]
-    for name, g, w in zip(("q4_K", "q6_K", "pair q4_K", "pair q6_K", "swiglu"), got, want):
-        assert g.tobytes() == w.tobytes(), name
-
-
 @pytest.mark.parametrize("T,F,K,bt,kp", [
     (32, 256, 1024, 32, 1),             # one token tile, two row tiles (gate | up halves)
     (50, 512, 2816, 64, 2),             # ragged tokens; K split, uneven parts

@@ -175,35 +175,14 @@ def test_choose_variant_split_flag(monkeypatch):
     ("wgmma_q4_k.cu", "wgmma_q4_k_kp<32, 8, 4>"),
     ("wgmma_pair.cu", "wgmma_pair_kp<true, 32, 8, 2>"),
 ])
-def test_weights_before_wait_define(monkeypatch, fname, instance):
-    """WG_WEARLY (wgmma_common.cuh, an A/B define): a wgmma GEMM's first weight loads
-    (ld.global.nc) come before its griddepcontrol.wait under the define and after it in
-    production; neither form triggers its successor early (no launch_dependents)."""
+def test_weights_before_wait(fname, instance):
+    """wgmma_common.cuh wgmma_gemm: a wgmma GEMM's first weight loads (ld.global.nc) come before
+    its griddepcontrol.wait (a weight: no predecessor writes it), and it does not trigger its
+    successor early (no launch_dependents: PDL_EARLY, retired)."""
     from dev.sass_dump import ptx
 
-    for early in (False, True):
-        monkeypatch.setenv(kernels.DEFINES_ENV, "WG_WEARLY=1" if early else "")
-        text, lowered = ptx(fname, instance)
-        body = text[text.index(f".entry {lowered}"):]          # the file's only entry (templates)
-        assert "griddepcontrol.launch_dependents" not in body
-        wait, load = body.index("griddepcontrol.wait"), body.find("ld.global.nc")
-        assert (0 <= load < wait) == early, (instance, early, load, wait)
-
-
-def test_push_epilogue_define(monkeypatch):
-    """WG_PUSH (wgmma_common.cuh, an A/B define): a K-split GEMM's parts store their partial
-    tiles into the owner's shared memory (st.shared::cluster, no remote loads) after an entry
-    arrive, where production loads them (ld.shared::cluster); ops.wgmma.smem_bytes adds the
-    slots (bt x 128 floats, 16-byte aligned) under the define only."""
-    from dev.sass_dump import ptx
-    from engine.gpu.ops.wgmma import smem_bytes
-
-    for push in (False, True):
-        monkeypatch.setenv(kernels.DEFINES_ENV, "WG_PUSH=1" if push else "")
-        text, lowered = ptx("wgmma_q4_k.cu", "wgmma_q4_k_kp<32, 8, 4>")
-        body = text[text.index(f".entry {lowered}"):]          # the file's only entry (templates)
-        assert ("st.shared::cluster" in body) == push and ("ld.shared::cluster" in body) == (not push)
-        assert ("barrier.cluster.arrive.relaxed" in body) == push
-        base = 8 * 32 * 64 * 2 + 8 * 8
-        assert smem_bytes(32, 8, 4) == ((base + 15) // 16 * 16 + 32 * 128 * 4 if push else base)
-        assert smem_bytes(32, 8, 1) == base
+    text, lowered = ptx(fname, instance)
+    body = text[text.index(f".entry {lowered}"):]              # the file's only entry (templates)
+    assert "griddepcontrol.launch_dependents" not in body
+    wait, load = body.index("griddepcontrol.wait"), body.find("ld.global.nc")
+    assert 0 <= load < wait, (instance, load, wait)      # (the pair: one wait in each matrix's branch)

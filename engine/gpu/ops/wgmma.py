@@ -36,13 +36,10 @@ BK = 64               # WG_BK
 
 def smem_bytes(bt: int, stages: int, kp: int = 1) -> int:
     """wgmma_common.cuh wg_stage_area (the stage buffers; with kp > 1 at least the partial tile
-    of bt x 128 floats), then one 8-byte mbarrier per stage; with kp > 1 under the A/B define
-    WG_PUSH, the push slots (bt x 128 floats, wg_push_off) after them."""
+    of bt x 128 floats), then one 8-byte mbarrier per stage."""
     area = stages * bt * BK * 2
     if kp > 1:
         area = max(area, bt * ROWS * 4)
-    if kp > 1 and kernels.define_value("WG_PUSH", 0):
-        return (area + 8 * stages + 15) // 16 * 16 + bt * ROWS * 4
     return area + 8 * stages
 
 
