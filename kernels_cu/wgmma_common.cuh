@@ -156,8 +156,8 @@ constexpr u32 wg_stage_area() {
 }
 
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
-// it first (it makes the PDL wait itself), tile = wg_block_tiles().row, or a tile of one of two matrices:
-// wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part, launched as
+// it first: it makes the PDL wait itself; tile = wg_block_tiles().row, or a tile of one of two
+// matrices: wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part, launched as
 // clusters of KP blocks along z (__cluster_dims__ on the wrapper): part p runs super-blocks
 // nsb p / KP .. nsb (p + 1) / KP - 1, then the parts add their f32 tiles through distributed
 // shared memory, part 0 + part 1 + ... in that order whoever sums (so the result does not depend
