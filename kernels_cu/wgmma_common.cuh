@@ -54,6 +54,9 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
+#ifndef WG_SB2
+#define WG_SB2 0                       // 1 (an A/B define): wgmma_gemm's super-block loop unrolled by two at BT 32
+#endif
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
@@ -230,15 +233,16 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     // super-block together at the next super-block's first stage (a barrier a super-block), each
     // refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
     constexpr int RB = STAGES >= 8 ? 4 : 1;
-    for (int sb = sb0; sb < sb1; ++sb) {
-        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
-        WT::scales(sc, cur, t);
+    // One super-block: its stages from `use` while super-block sb + 1 loads into `ahead`.
+    auto sb_pass = [&](typename WT::Sb& use, typename WT::Sb& ahead, int sb) {
+        if (sb + 1 < sb1) WT::load(ahead, r0, r1, sb + 1, t);
+        WT::scales(sc, use, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;                                  // global stage
             const u32 l = (u32)(j - j0), buf = l % STAGES;              // local stage, its buffer
             mbar_wait(bars + 8 * buf, (l / STAGES) & 1);                // stage l landed
-            WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
+            WT::frags(a, use, st[jj % NSLOT], jj, sc, t);
             if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
                 if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
             }
@@ -262,7 +266,21 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                     }
             }
         }
-        cur = nxt;
+    };
+    if constexpr (WG_SB2 && BT <= 32) {
+        // Super-blocks in pairs, cur and nxt trading roles, where the loop below copies nxt into
+        // cur at every super-block's end (24 registers for q4_K: about 28 of its 559 loop
+        // instructions). Token tiles of 32 only: at 64 the registers pass 128 (the padded pair,
+        // two blocks a SM, spills).
+        for (int sb = sb0; sb < sb1; sb += 2) {
+            sb_pass(cur, nxt, sb);
+            if (sb + 1 < sb1) sb_pass(nxt, cur, sb + 1);
+        }
+    } else {
+        for (int sb = sb0; sb < sb1; ++sb) {
+            sb_pass(cur, nxt, sb);
+            cur = nxt;
+        }
     }
     wg_wait<0>();
 

@@ -256,6 +256,52 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     same(swiglu)
 
 
+@pytest.mark.parametrize("T,K,kp", [
+    (32, 4096, 4),             # Wo at 32 tokens: 4 super-blocks a part (even)
+    (24, 2816, 2),             # ragged tokens; 11 super-blocks: parts of 5 and 6 (odd)
+    (17, 11008, 4),            # parts of 10 and 11
+    (32, 256, 1),              # one super-block
+])
+def test_wgmma_sb2_same_bits(rng, monkeypatch, T, K, kp):
+    """WG_SB2 (an A/B define): at token tiles of 32 wgmma_gemm runs its super-blocks in pairs,
+    cur and nxt trading roles instead of a copy a super-block; the same arithmetic in the same
+    order, so every launcher (q4_K, q6_K in both layouts, the pair, the SwiGLU epilogue) gives
+    the production loop's bits, for even and odd super-block counts a part."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu.kernels import DEFINES_ENV
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
+    from engine.gpu.weights import upload_weight
+
+    N, bt = 512, 32
+    w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
+    w6 = random_blocks(rng, "q6_k", N, K, special=True)
+    w6s = [upload_weight(w6, "Q6_K", pad_q6k=padded) for padded in (True, False)]
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+
+    def outputs():
+        out = [_run_poisoned(wgmma_q4k, w4, xt, T, N, bt=bt, kp=kp)]
+        for w6d in w6s:
+            out.append(_run_poisoned(wgmma_q6k, w6d, xt, T, N, bt=bt, kp=kp))
+            ya, yb = (cp.full((T, N), np.nan, dtype=cp.float32) for _ in range(2))
+            wgmma_pair(w4, w6d, xt, T, ya, yb, bt=bt, kp=kp)
+            out += [ya, yb]
+        h = tiled_buffer(T, N // 2)
+        wgmma_swiglu(w4, xt, T, out=h, bt=bt, kp=kp)
+        return [cp.asnumpy(cp.asarray(a)) for a in out + [h]]
+
+    monkeypatch.setenv(DEFINES_ENV, "")
+    want = outputs()
+    monkeypatch.setenv(DEFINES_ENV, "WG_SB2=1")
+    got = outputs()
+    names = ("q4_K", "q6_K padded", "pair q4_K", "pair q6_K padded", "q6_K raw", "pair q4_K (raw)",
+             "pair q6_K raw", "swiglu")
+    for name, g, w in zip(names, got, want):
+        assert g.tobytes() == w.tobytes(), name
+
+
 @pytest.mark.parametrize("T,F,K,bt,kp", [
     (32, 256, 1024, 32, 1),             # one token tile, two row tiles (gate | up halves)
     (50, 512, 2816, 64, 2),             # ragged tokens; K split, uneven parts
