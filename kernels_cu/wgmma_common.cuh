@@ -55,7 +55,7 @@
 #include "wgmma_rope.cuh"
 
 #ifndef WG_SB2
-#define WG_SB2 0                       // 1 (an A/B define): wgmma_gemm's super-block loop unrolled by two at BT 32
+#define WG_SB2 0                       // 1 (an A/B define): wgmma_gemm's super-blocks in pairs at BT 32
 #endif
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
@@ -160,11 +160,11 @@ constexpr u32 wg_stage_area() {
 
 // The whole GEMM of one block, output rows 128 tile .. 128 tile + 127 (the __global__ wrappers call
 // it first: it makes the PDL wait itself; tile = wg_block_tiles().row, or a tile of one of two
-// matrices: wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part, launched as
-// clusters of KP blocks along z (__cluster_dims__ on the wrapper): part p runs super-blocks
-// nsb p / KP .. nsb (p + 1) / KP - 1, then the parts add their f32 tiles through distributed
-// shared memory, part 0 + part 1 + ... in that order whoever sums (so the result does not depend
-// on timing), each block summing and storing every KP-th accumulator.
+// matrices: wgmma_pair.cu). KP = 1: the block runs all of K. KP > 1: the grid's z = K-part,
+// launched as clusters of KP blocks along z (__cluster_dims__ on the wrapper): part p runs
+// super-blocks nsb p / KP .. nsb (p + 1) / KP - 1, then the parts add their f32 tiles through
+// distributed shared memory, part 0 + part 1 + ... in that order whoever sums (so the result does
+// not depend on timing), each block summing and storing every KP-th accumulator.
 //
 // SWIGLU (the gate|up GEMM's fused epilogue): W = [gate; up], N = 2 F rows; the block's 128 rows
 // are features 64 tile .. 64 tile + 63 of both halves (warp v's rows g: gate 8 v + g, g + 8: up
