@@ -256,17 +256,21 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     same(swiglu)
 
 
-@pytest.mark.parametrize("T,K,kp", [
-    (32, 4096, 4),             # Wo at 32 tokens: 4 super-blocks a part (even)
-    (24, 2816, 2),             # ragged tokens; 11 super-blocks: parts of 5 and 6 (odd)
-    (17, 11008, 4),            # parts of 10 and 11
-    (32, 256, 1),              # one super-block
+@pytest.mark.parametrize("define,T,K,bt,kp", [
+    ("WG_SB2=1", 32, 4096, 32, 4),         # Wo at 32 tokens: 4 super-blocks a part (even)
+    ("WG_SB2=1", 24, 2816, 32, 2),         # ragged tokens; 11 super-blocks: parts of 5 and 6 (odd)
+    ("WG_SB2=1", 17, 11008, 32, 4),        # parts of 10 and 11
+    ("WG_SB2=1", 32, 256, 32, 1),          # one super-block
+    ("WG_SCALE_H2=1", 32, 4096, 32, 4),
+    ("WG_SCALE_H2=1", 100, 2816, 64, 2),
+    ("WG_SCALE_H2=1", 300, 1024, 256, 1),
 ])
-def test_wgmma_sb2_same_bits(rng, monkeypatch, T, K, kp):
-    """WG_SB2 (an A/B define): at token tiles of 32 wgmma_gemm runs its super-blocks in pairs,
-    cur and nxt trading roles instead of a copy a super-block; the same arithmetic in the same
-    order, so every launcher (q4_K, q6_K in both layouts, the pair, the SwiGLU epilogue) gives
-    the production loop's bits, for even and odd super-block counts a part."""
+def test_wgmma_same_bits_define(rng, monkeypatch, define, T, K, bt, kp):
+    """A/B defines that must not change a bit, against production, in every launcher (q4_K, q6_K
+    in both layouts, the pair, the SwiGLU epilogue): WG_SB2 (at token tiles of 32 wgmma_gemm
+    runs its super-blocks in pairs, cur and nxt trading roles instead of a copy; even and odd
+    super-block counts a part) and WG_SCALE_H2 (q4_K's scales made in f16x2: the same single
+    rounding of the exact product)."""
     _sm90()
     import cupy as cp
 
@@ -275,7 +279,7 @@ def test_wgmma_sb2_same_bits(rng, monkeypatch, T, K, kp):
     from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
     from engine.gpu.weights import upload_weight
 
-    N, bt = 512, 32
+    N = 512
     w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
     w6 = random_blocks(rng, "q6_k", N, K, special=True)
     w6s = [upload_weight(w6, "Q6_K", pad_q6k=padded) for padded in (True, False)]
@@ -294,7 +298,7 @@ def test_wgmma_sb2_same_bits(rng, monkeypatch, T, K, kp):
 
     monkeypatch.setenv(DEFINES_ENV, "")
     want = outputs()
-    monkeypatch.setenv(DEFINES_ENV, "WG_SB2=1")
+    monkeypatch.setenv(DEFINES_ENV, define)
     got = outputs()
     names = ("q4_K", "q6_K padded", "pair q4_K", "pair q6_K padded", "q6_K raw", "pair q4_K (raw)",
              "pair q6_K raw", "swiglu")
