@@ -6,6 +6,9 @@
 #pragma once
 #include "common.cuh"
 
+#ifndef WG_SCALE_H2
+#define WG_SCALE_H2 0                  // 1 (an A/B define): the q4_K / q6_K scales made in f16x2
+#endif
 #define H2_1024 0x64006400u            // (1024, 1024)
 #define H2_M1024 0xE400E400u           // (-1024, -1024)
 

@@ -17,9 +17,6 @@
 #include "wgmma_common.cuh"
 #endif
 
-#ifndef WG_SCALE_H2
-#define WG_SCALE_H2 0                  // 1 (an A/B define): row_scales in f16x2 (below)
-#endif
 #define H2_1_16 0x2C002C00u            // (1/16, 1/16)
 #define H2_M64 0xD400D400u             // (-64, -64)
 

@@ -357,15 +357,16 @@ extern "C" void run_policy(const u8* W, int nrows, int nsb, u32* out) { policy_f
 '''
 
 
-@pytest.mark.parametrize("kind,layout,define", [("q4_k", "raw", None), ("q4_k", "raw", "WG_SCALE_H2"),
-                                                ("q6_k", "padded", None), ("q6_k", "raw", None)])
+@pytest.mark.parametrize("kind,layout,define", [("q4_k", "raw", None), ("q6_k", "padded", None), ("q6_k", "raw", None),
+                                                ("q4_k", "raw", "WG_SCALE_H2"), ("q6_k", "padded", "WG_SCALE_H2"),
+                                                ("q6_k", "raw", "WG_SCALE_H2")])
 def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout, define):
     """The weight policies of kernels_cu/wgmma_q4_k.cu and wgmma_q6_k.cu (headers, scales, the
     unpack to f16 A fragments; q6_K in both block layouts) compiled for the CPU
     (tests/cuda_emu/cuda_emu.h; f16x2.cuh's GGP_EMU ops round once from exact values, as the PTX
     does) give engine.reference.wgmma's dequantization bit for bit, in the A-fragment order of
     wgmma_common.cuh, on random blocks with extreme scales; `define`: an A/B define of the
-    policy set to 1 (WG_SCALE_H2: q4_K's scales in f16x2)."""
+    policy set to 1 (WG_SCALE_H2: the scales made in f16x2)."""
     import ctypes
 
     from engine.gpu import kernels
