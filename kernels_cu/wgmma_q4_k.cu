@@ -51,9 +51,7 @@ static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, i
 // sub-blocks j < 4 (t < 2): scale = A & 63, min = B & 63; j >= 4: scale = C & 15 | (A >> 6) << 4,
 // min = C >> 4 | (B >> 6) << 4, both bytes of a word at once.
 static __device__ __forceinline__ void row_scales(const uint4& h, int t, u32& s_lo, u32& m_lo, u32& s_hi, u32& m_hi) {
-#if !WG_SCALE_H2
-    const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
-#endif
+    const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));   // unused under WG_SCALE_H2
     const u32 sel = (t & 1) ? 0x3232u : 0x1010u;
     const u32 A = __byte_perm(h.y, 0, sel), B = __byte_perm(h.z, 0, sel), C = __byte_perm(h.w, 0, sel);
     const bool upper = t >= 2;

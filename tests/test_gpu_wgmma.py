@@ -204,6 +204,44 @@ def test_wgmma_pair_equals_two_launches(rng, T, Na, Nb, K, bt, kp):
         assert np.array_equal(cp.asnumpy(yb).view(np.uint32), want_b.view(np.uint32)), f"q6_K part (padded={padded})"
 
 
+def _launcher_outputs(rng, T: int, K: int, N: int = 512):
+    """outputs(**cfg): every launcher's output (q4_K, q6_K padded, the pair with it, q6_K raw,
+    the pair with it, the SwiGLU epilogue over [gate; up] = N rows) as host arrays, on one set of
+    random weights (extreme scales) and activations, for the bit-for-bit comparisons of two
+    forms that must agree."""
+    import cupy as cp
+
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
+    from engine.gpu.weights import upload_weight
+
+    w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
+    w6 = random_blocks(rng, "q6_k", N, K, special=True)
+    w6s = [upload_weight(w6, "Q6_K", pad_q6k=padded) for padded in (True, False)]
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+
+    def outputs(**cfg):
+        out = [_run_poisoned(wgmma_q4k, w4, xt, T, N, **cfg)]
+        for w6d in w6s:
+            out.append(_run_poisoned(wgmma_q6k, w6d, xt, T, N, **cfg))
+            ya, yb = (cp.full((T, N), np.nan, dtype=cp.float32) for _ in range(2))
+            wgmma_pair(w4, w6d, xt, T, ya, yb, **cfg)
+            out += [ya, yb]
+        h = tiled_buffer(T, N // 2)
+        wgmma_swiglu(w4, xt, T, out=h, **cfg)
+        return [cp.asnumpy(cp.asarray(a)) for a in out + [h]]
+    return outputs
+
+
+_LAUNCHERS = ("q4_K", "q6_K padded", "pair q4_K", "pair q6_K padded", "q6_K raw", "pair q4_K (raw)",
+              "pair q6_K raw", "swiglu")
+
+
+def _assert_same_bits(got, want):
+    for name, g, w in zip(_LAUNCHERS, got, want, strict=True):
+        assert g.tobytes() == w.tobytes(), name
+
+
 @pytest.mark.parametrize("T,K,bt,kp", [
     (32, 512, 32, 1),          # 8 stages: the prologue loads them all, nothing refilled
     (32, 256, 32, 1),          # 4 stages, fewer than the buffers
@@ -219,41 +257,8 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     (q4_K, q6_K in both layouts, the pair, the SwiGLU epilogue) gives the same bits as with the
     4-buffer ring (WG_SMALL_STAGES=4, the A/B form)."""
     _sm90()
-    import cupy as cp
-
-    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
-    from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
-    from engine.gpu.weights import upload_weight
-
-    N = 512                    # 2 x 256 features for the SwiGLU launch
-    w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
-    w6 = random_blocks(rng, "q6_k", N, K, special=True)
-    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
-
-    def bits(a):
-        return cp.asnumpy(a).view(np.uint16 if a.dtype == np.float16 else np.uint32)
-
-    def same(run):
-        want, got = run(4), run(8)
-        assert all(np.array_equal(bits(g), bits(w)) for g, w in zip(got, want))
-
-    same(lambda st: [cp.asarray(_run_poisoned(wgmma_q4k, w4, xt, T, N, bt=bt, stages=st, kp=kp))])
-    for padded in (True, False):
-        w6d = upload_weight(w6, "Q6_K", pad_q6k=padded)
-        same(lambda st: [cp.asarray(_run_poisoned(wgmma_q6k, w6d, xt, T, N, bt=bt, stages=st, kp=kp))])
-
-        def pair(st):
-            ya = cp.full((T, N), np.nan, dtype=cp.float32)
-            yb = cp.full((T, N), np.nan, dtype=cp.float32)
-            wgmma_pair(w4, w6d, xt, T, ya, yb, bt=bt, stages=st, kp=kp)
-            return [ya, yb]
-        same(pair)
-
-    def swiglu(st):
-        h = tiled_buffer(T, N // 2)
-        wgmma_swiglu(w4, xt, T, out=h, bt=bt, stages=st, kp=kp)
-        return [h]
-    same(swiglu)
+    outputs = _launcher_outputs(rng, T, K)
+    _assert_same_bits(outputs(bt=bt, stages=8, kp=kp), outputs(bt=bt, stages=4, kp=kp))
 
 
 @pytest.mark.parametrize("define,T,K,bt,kp", [
@@ -269,41 +274,16 @@ def test_wgmma_same_bits_define(rng, monkeypatch, define, T, K, bt, kp):
     """A/B defines that must not change a bit, against production, in every launcher (q4_K, q6_K
     in both layouts, the pair, the SwiGLU epilogue): WG_SB2 (at token tiles of 32 wgmma_gemm
     runs its super-blocks in pairs, cur and nxt trading roles instead of a copy; even and odd
-    super-block counts a part) and WG_SCALE_H2 (q4_K's scales made in f16x2: the same single
-    rounding of the exact product)."""
+    super-block counts a part) and WG_SCALE_H2 (the q4_K / q6_K scales made in f16x2: the same
+    single rounding of the exact product)."""
     _sm90()
-    import cupy as cp
-
     from engine.gpu.kernels import DEFINES_ENV
-    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
-    from engine.gpu.ops.wgmma import tiled_buffer, wgmma_pair, wgmma_q4k, wgmma_q6k, wgmma_swiglu
-    from engine.gpu.weights import upload_weight
 
-    N = 512
-    w4 = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
-    w6 = random_blocks(rng, "q6_k", N, K, special=True)
-    w6s = [upload_weight(w6, "Q6_K", pad_q6k=padded) for padded in (True, False)]
-    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
-
-    def outputs():
-        out = [_run_poisoned(wgmma_q4k, w4, xt, T, N, bt=bt, kp=kp)]
-        for w6d in w6s:
-            out.append(_run_poisoned(wgmma_q6k, w6d, xt, T, N, bt=bt, kp=kp))
-            ya, yb = (cp.full((T, N), np.nan, dtype=cp.float32) for _ in range(2))
-            wgmma_pair(w4, w6d, xt, T, ya, yb, bt=bt, kp=kp)
-            out += [ya, yb]
-        h = tiled_buffer(T, N // 2)
-        wgmma_swiglu(w4, xt, T, out=h, bt=bt, kp=kp)
-        return [cp.asnumpy(cp.asarray(a)) for a in out + [h]]
-
+    outputs = _launcher_outputs(rng, T, K)
     monkeypatch.setenv(DEFINES_ENV, "")
-    want = outputs()
+    want = outputs(bt=bt, kp=kp)
     monkeypatch.setenv(DEFINES_ENV, define)
-    got = outputs()
-    names = ("q4_K", "q6_K padded", "pair q4_K", "pair q6_K padded", "q6_K raw", "pair q4_K (raw)",
-             "pair q6_K raw", "swiglu")
-    for name, g, w in zip(names, got, want):
-        assert g.tobytes() == w.tobytes(), name
+    _assert_same_bits(outputs(bt=bt, kp=kp), want)
 
 
 @pytest.mark.parametrize("T,F,K,bt,kp", [
