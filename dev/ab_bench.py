@@ -12,7 +12,8 @@ Entries of HOST_ENTRIES in a set are not defines but GPUModel attributes for tha
 UBATCH=N the prompt ubatch (tokens per forward, engine.gpu.ubatch_plan), ATTN_X16=1 the attention
 writing the Wo GEMM's tiled f16 operand itself (GGUF_PREFILL_ATTN_X16). PP=a:b (':'-separated
 prompt lengths) limits a set to those pp rows and no tg rows, for a form that cannot change the
-others; e.g. --sets ";UBATCH=8192,PP=8192". A set's missing rows get no ratio and no quotient.
+others; e.g. --sets ";UBATCH=8192,PP=8192"; TG=1 limits it to the tg rows (a decode-only form,
+e.g. ";MMVQ_UNROLL=4,TG=1"). A set's missing rows get no ratio and no quotient.
 `--keep-tested FILE --sets S` prints the sets that the GPU test groups of FILE leave (kept_sets).
 Several models (comma-separated) run one after the other in this process (the Hopper GEMMs'
 kernels compile once).
@@ -138,7 +139,7 @@ HOST_ENTRIES = {"UBATCH": ("ubatch", int), "ATTN_X16": ("attn_x16", lambda v: v 
 
 def host_entries(s: str) -> tuple[str, dict]:
     """A set -> (its kernel defines, {GPUModel attribute: value} of its HOST_ENTRIES; its PP=a:b
-    entry, if any, as attrs["pp"] = [a, b])."""
+    entry, if any, as attrs["pp"] = [a, b]; TG=1 as attrs["pp"] = [] (no pp rows, the tg rows))."""
     defines, attrs = [], {}
     for item in re.split(r"[\s,]+", s.strip()):
         key, _, value = item.partition("=")
@@ -146,6 +147,10 @@ def host_entries(s: str) -> tuple[str, dict]:
             if not re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)*", value):
                 raise ValueError(f"PP={value!r}: prompt lengths >= 1 separated by ':'")
             attrs["pp"] = [int(v) for v in value.split(":")]
+        elif key == "TG":
+            if value != "1":
+                raise ValueError(f"TG={value!r}: TG=1 (the tg rows alone)")
+            attrs["pp"] = []
         elif key in HOST_ENTRIES:
             if key == "UBATCH" and (not value.isdigit() or int(value) < 1):
                 raise ValueError(f"UBATCH={value!r}: a token count >= 1")
@@ -170,8 +175,9 @@ def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
                 os.environ[ENV] = defines
                 for attr, value in {**saved_attrs, **attrs}.items():
                     setattr(model, attr, value)
-                rows = ([bench_pp(model, p, 0, reps) for p in (only_pp or prompts)] +
-                        [bench_tg(model, n, 0, reps) for n in (gens if only_pp is None else [])])
+                tg_only = only_pp == []
+                rows = ([bench_pp(model, p, 0, reps) for p in (prompts if only_pp is None else only_pp)] +
+                        [bench_tg(model, n, 0, reps) for n in (gens if only_pp is None or tg_only else [])])
                 for row in rows:
                     samples[s].setdefault(row.test, []).extend(row.samples_ts)
                     if row.test not in tests:

@@ -223,6 +223,9 @@ def test_ab_bench_pp_entry():
     for bad in ("PP=", "PP=0", "PP=1:x"):
         with pytest.raises(ValueError, match="PP="):
             host_entries(bad)
+    assert host_entries("MMVQ_UNROLL=4,TG=1") == ("MMVQ_UNROLL=4", {"pp": []})
+    with pytest.raises(ValueError, match="TG="):
+        host_entries("TG=0")
 
     class Row:
         def __init__(self, test, value):
@@ -237,14 +240,16 @@ def test_ab_bench_pp_entry():
     def bench_tg(model, n, depth, reps):
         return Row(f"tg{n}", 1.0)
 
-    sets = ["", "UBATCH=8192,PP=8192"]
+    sets = ["", "UBATCH=8192,PP=8192", "TG=1"]
     samples, tests = run_sets(Model(), sets, [3314, 8192], [128], 1, 1, bench_pp, bench_tg)
     assert tests == ["pp3314", "pp8192", "tg128"]
     assert samples["UBATCH=8192,PP=8192"] == {"pp8192": [16384.0]}
+    assert samples["TG=1"] == {"tg128": [1.0]}
     rows = summarize(samples, sets, tests, ["pp3314", "pp8192"])
     mine = [r for r in rows if r["set"] == "UBATCH=8192,PP=8192"]
     assert [(r["test"], r["ratio"]) for r in mine] == [("pp8192", 16384.0 / 12288.0)]
     assert [r["test"] for r in rows if r["set"] == ""] == ["pp3314", "pp8192", "tg128", "pp8192/pp3314"]
+    assert [r["test"] for r in rows if r["set"] == "TG=1"] == ["tg128"]
 
 
 def test_ab_bench_keeps_only_tested_forms(tmp_path, capsys):
