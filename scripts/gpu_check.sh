@@ -96,7 +96,8 @@ step_small() {
 
 # Nsight Compute stall profile of the GEMM kernels (NCU_ARGS: ';'-separated "T N K [VARIANT]" for
 # ncu_mmq.py; each profiles the second launch of the q4_K and the q6_K kernel; NCU_SOURCE=1 also
-# writes ncu_src_<i>.csv, the q4_K kernel's stall samples per SASS instruction). NCU_KERNELS /
+# writes ncu_src_<i>.csv, the q4_K kernel's stall samples per SASS instruction, and prints
+# dev/ncu_src_summary's ranking of it: NCU_SRC_TOP instructions, per opcode). NCU_KERNELS /
 # NCU_SRC_KERNEL: the kernel-name regexes (e.g. wgmma_q / wgmma_q4 with VARIANT wgmma).
 # NCU_EXTRA: more ncu arguments (e.g. "--section MemoryWorkloadAnalysis_Tables" for the L1 / LSU
 # per SM; the lines this step greps out of the report stay the same, the whole report is ncu_<i>.txt).
@@ -117,6 +118,7 @@ step_ncu() {
       "$ncu" --clock-control none --kernel-name regex:"${NCU_SRC_KERNEL:-mm(q|sb)_q4}" --launch-skip 1 --launch-count 1 \
           --section SourceCounters -f -o "/tmp/ncu_src_$i" python3 -m dev.ncu_mmq $args > /dev/null 2>&1 &&
       "$ncu" -i "/tmp/ncu_src_$i.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src_$i.csv" 2>&1 || rc=1
+      python3 -m dev.ncu_src_summary "$OUT/ncu_src_$i.csv" --top "${NCU_SRC_TOP:-25}" || rc=1
     fi
     grep -E "mm(q|sb|vq)_q|wgmma_q|stalled_(long|short|barrier|wait|math|mio|lg|not_sel|selected|dispatch|drain|imc|no_inst|branch|membar|sleep|tex)|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Eligible Warps|Waves Per SM|Block Limit" "$OUT/ncu_$i.txt" | cut -c1-130 | head -80
   done

@@ -287,3 +287,29 @@ def test_sass_control_listing():
     assert lines[0].split() == ["0e50", "stall", "1", "wr", "5", "rd", "0", "wait", "05", "@!P0", "LDG.E.CONSTANT",
                                 "R101,", "desc[UR24][R44.64]"]
     assert lines[1].split()[:8] == ["0e60", "stall", "2", "wr", "-", "rd", "-", "wait"] and lines[1].split()[8] == "-"
+
+
+def test_ncu_src_summary():
+    """dev/ncu_src_summary: finds the source and samples columns by name past ncu's own lines,
+    ranks instructions by stall samples with their largest reasons, and sums them per opcode."""
+    from dev.ncu_src_summary import opcode, summarize
+
+    text = "\n".join([
+        "==PROF== Disconnected",
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"stall_long_sb","stall_wait"',
+        '"0x10","@!P0 BRA `(.L_x_9)",10,9,0,10',
+        '"0x20","HFMA2 R1, R2, R3, R4",30,20,0,30',
+        '"0x30","LDG.E.128.CONSTANT R8, desc[UR4][R2.64]","1,060",60,60,0',
+        '"0x40","HFMA2.MMA R5, R6, R7, R8",0,0,0,0',
+    ])
+    out = summarize(text, top=2).splitlines()
+    assert out[0] == "4 instructions, 1,100 stall samples"
+    assert "96.4%" in out[2] and "LDG.E.128" in out[2] and "stall_long_sb 6%" in out[2]
+    assert "2.7%" in out[3] and "HFMA2 R1" in out[3] and "stall_wait 100%" in out[3]
+    assert len(out) == 6
+    assert out[4].startswith("per opcode: LDG 96.4%  HFMA2 2.7%  BRA 0.9%")
+    assert out[5].startswith("per reason: stall_long_sb 5.5%  stall_wait 3.6%")
+    assert opcode("@!P0 BRA `(.L_x_9)") == "BRA" and opcode("HGMMA.64x32x16.F32 R24") == "HGMMA"
+    with pytest.raises(ValueError, match="Source"):
+        summarize("no,csv,here")
