@@ -58,9 +58,9 @@
 #define WG_SB2 0                       // 1 (an A/B define): wgmma_gemm's super-blocks in pairs at BT 32
 #endif
 #define WG_BK 64                       // k per activation stage
-template <int V> struct WgI { enum { value = V }; };   // a compile-time int argument (an enum: no .global)
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
+template <int V> struct WgI { enum { value = V }; };   // a compile-time int argument (an enum: no .global)
 #ifndef WG_RASTER
 #define WG_RASTER 4                    // token tiles per raster group (0: token tile = blockIdx.x)
 #endif
