@@ -6,9 +6,6 @@
 #pragma once
 #include "common.cuh"
 
-#ifndef WG_SCALE_H2
-#define WG_SCALE_H2 0                  // 1 (an A/B define): the q4_K / q6_K scales made in f16x2
-#endif
 #define H2_1024 0x64006400u            // (1024, 1024)
 #define H2_M1024 0xE400E400u           // (-1024, -1024)
 
@@ -69,10 +66,6 @@ inline u32 h2_mul(u32 a, u32 b) {
 template <u32 MASK, u32 OR>
 inline u32 and_or(u32 a) { return (a & MASK) | OR; }
 #endif
-
-__device__ __forceinline__ u32 f32_to_h2_bcast(float x) {   // (f16(x), f16(x)), round to nearest
-    return (u32)f32_to_f16_rn(x) * 0x10001u;
-}
 
 __device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

@@ -54,13 +54,9 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
-#ifndef WG_SB2
-#define WG_SB2 0                       // 1 (an A/B define): wgmma_gemm's super-blocks in pairs at BT 32
-#endif
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
-template <int V> struct WgI { enum { value = V }; };   // a compile-time int argument (an enum: no .global)
 #ifndef WG_RASTER
 #define WG_RASTER 4                    // token tiles per raster group (0: token tile = blockIdx.x)
 #endif
@@ -234,30 +230,15 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     // super-block together at the next super-block's first stage (a barrier a super-block), each
     // refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
     constexpr int RB = STAGES >= 8 ? 4 : 1;
-    // One super-block: its stages from `use` while super-block sb + 1 loads into `ahead`.
-    // half: WgI<-1> (the stage indices from sb), or in WG_SB2's pairs WgI<0 | 1> with pair = the
-    // pair's index, so local stage l = 8 pair + 4 half + jj; where STAGES divides 8 (FIXED) each
-    // stage's buffer is then a constant and its parity a bit of pair: no index arithmetic.
-    auto sb_pass = [&](typename WT::Sb& use, typename WT::Sb& ahead, int sb, auto half, u32 pair) {
-        constexpr int H = decltype(half)::value;
-        constexpr bool FIXED = H >= 0 && 8 % STAGES == 0;
-        if (sb + 1 < sb1) WT::load(ahead, r0, r1, sb + 1, t);
-        WT::scales(sc, use, t);
+    for (int sb = sb0; sb < sb1; ++sb) {
+        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
+        WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;                                  // global stage
-            const int bc = 4 * H + jj;                                  // FIXED: l % 8
-            u32 l, buf;                                                 // local stage, its buffer
-            if constexpr (FIXED) {
-                l = 8 * pair + (u32)bc;
-                buf = (u32)(bc % STAGES);
-                mbar_wait(bars + 8 * buf, ((8 / STAGES) * pair + (u32)(bc / STAGES)) & 1);   // stage l landed
-            } else {
-                l = (u32)(j - j0);
-                buf = l % STAGES;
-                mbar_wait(bars + 8 * buf, (l / STAGES) & 1);
-            }
-            WT::frags(a, use, st[jj % NSLOT], jj, sc, t);
+            const u32 l = (u32)(j - j0), buf = l % STAGES;              // local stage, its buffer
+            mbar_wait(bars + 8 * buf, (l / STAGES) & 1);                // stage l landed
+            WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
             if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
                 if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
             }
@@ -269,48 +250,19 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 const u32 ln = l - 1 + STAGES;         // refill buffer l - 1 once both warpgroups retired it
                 __syncthreads();
                 if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
-                    u32 bn;
-                    if constexpr (FIXED) bn = (u32)((bc + STAGES - 1) % STAGES);
-                    else bn = ln % STAGES;
+                    const u32 bn = ln % STAGES;
                     wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
                 }
             } else if (jj == 0 && l >= 4 && l + STAGES - 4 < (u32)nst) {   // uniform over the block
                 __syncthreads();                       // the last super-block's stages l - 4 .. l - 1 retired
-                if (threadIdx.x == 0) {
-                    if constexpr (FIXED) {             // stages l + 4 .. l + 7: buffers bc + 4 .. (mod 8)
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            const u32 ln = l + STAGES - 4 + k, bn = (u32)((bc + STAGES - 4 + k) % STAGES);
-                            if (ln < (u32)nst)
-                                wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
-                        }
-                    } else {
-                        for (u32 ln = l + STAGES - 4; ln < l + STAGES && ln < (u32)nst; ++ln) {
-                            const u32 bn = ln % STAGES;
-                            wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
-                        }
+                if (threadIdx.x == 0)
+                    for (u32 ln = l + STAGES - 4; ln < l + STAGES && ln < (u32)nst; ++ln) {
+                        const u32 bn = ln % STAGES;
+                        wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
                     }
-                }
             }
         }
-    };
-    if constexpr (WG_SB2 && BT <= 32) {
-        // Super-blocks in pairs, cur and nxt trading roles, where the loop below copies nxt into
-        // cur at every super-block's end (24 registers for q4_K: about 28 of its 559 loop
-        // instructions), and a pair's 8 stages on fixed buffers (sb_pass FIXED). q4_K kp<32, 8, 4>
-        // 559 -> 462.5 loop instructions a super-block (449.5 with WG_SCALE_H2), swiglu<32, 8>
-        // 599 -> 441. Token tiles of 32 only: at 64 the registers pass 128 (the padded pair, two
-        // blocks a SM, spills).
-        for (u32 pair = 0; sb0 + 2 * (int)pair < sb1; ++pair) {
-            const int sb = sb0 + 2 * (int)pair;
-            sb_pass(cur, nxt, sb, WgI<0>{}, pair);
-            if (sb + 1 < sb1) sb_pass(nxt, cur, sb + 1, WgI<1>{}, pair);
-        }
-    } else {
-        for (int sb = sb0; sb < sb1; ++sb) {
-            sb_pass(cur, nxt, sb, WgI<-1>{}, 0u);
-            cur = nxt;
-        }
+        cur = nxt;
     }
     wg_wait<0>();
 

@@ -261,31 +261,6 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     _assert_same_bits(outputs(bt=bt, stages=8, kp=kp), outputs(bt=bt, stages=4, kp=kp))
 
 
-@pytest.mark.parametrize("define,T,K,bt,kp", [
-    ("WG_SB2=1", 32, 4096, 32, 4),         # Wo at 32 tokens: 4 super-blocks a part (even)
-    ("WG_SB2=1", 24, 2816, 32, 2),         # ragged tokens; 11 super-blocks: parts of 5 and 6 (odd)
-    ("WG_SB2=1", 17, 11008, 32, 4),        # parts of 10 and 11
-    ("WG_SB2=1", 32, 256, 32, 1),          # one super-block
-    ("WG_SCALE_H2=1", 32, 4096, 32, 4),
-    ("WG_SCALE_H2=1", 100, 2816, 64, 2),
-    ("WG_SCALE_H2=1", 300, 1024, 256, 1),
-])
-def test_wgmma_same_bits_define(rng, monkeypatch, define, T, K, bt, kp):
-    """A/B defines that must not change a bit, against production, in every launcher (q4_K, q6_K
-    in both layouts, the pair, the SwiGLU epilogue): WG_SB2 (at token tiles of 32 wgmma_gemm
-    runs its super-blocks in pairs, cur and nxt trading roles instead of a copy; even and odd
-    super-block counts a part) and WG_SCALE_H2 (the q4_K / q6_K scales made in f16x2: the same
-    single rounding of the exact product)."""
-    _sm90()
-    from engine.gpu.kernels import DEFINES_ENV
-
-    outputs = _launcher_outputs(rng, T, K)
-    monkeypatch.setenv(DEFINES_ENV, "")
-    want = outputs(bt=bt, kp=kp)
-    monkeypatch.setenv(DEFINES_ENV, define)
-    _assert_same_bits(outputs(bt=bt, kp=kp), want)
-
-
 @pytest.mark.parametrize("T,F,K,bt,kp", [
     (32, 256, 1024, 32, 1),             # one token tile, two row tiles (gate | up halves)
     (50, 512, 2816, 64, 2),             # ragged tokens; K split, uneven parts

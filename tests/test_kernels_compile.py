@@ -186,15 +186,3 @@ def test_weights_before_wait(fname, instance):
     assert "griddepcontrol.launch_dependents" not in body
     wait, load = body.index("griddepcontrol.wait"), body.find("ld.global.nc")
     assert 0 <= load < wait, (instance, load, wait)      # (the pair: one wait in each matrix's branch)
-
-
-def test_sb2_define(monkeypatch):
-    """WG_SB2 (wgmma_common.cuh, an A/B define): the super-block loop unrolled by two at token
-    tiles of 32 stays at <= 128 registers without spills (two blocks a SM where the grid has
-    them) and leaves BT 64 alone."""
-    monkeypatch.setenv(kernels.DEFINES_ENV, "WG_SB2=1")
-    res = {r.name: r for r in kernels.compile_for_check(files=["wgmma_pair.cu"])}
-    for name in ("wgmma_pair_kp<true, 32, 8, 2>", "wgmma_pair_rope_kp<true, 32, 8, 2>"):
-        r = res[name]
-        assert r.registers <= 128 and r.spill_stores == 0 and r.stack == 0, r
-    assert res["wgmma_pair<true, 64, 8>"].spill_stores == 0

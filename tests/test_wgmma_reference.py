@@ -357,24 +357,20 @@ extern "C" void run_policy(const u8* W, int nrows, int nsb, u32* out) { policy_f
 '''
 
 
-@pytest.mark.parametrize("kind,layout,define", [("q4_k", "raw", None), ("q6_k", "padded", None), ("q6_k", "raw", None),
-                                                ("q4_k", "raw", "WG_SCALE_H2"), ("q6_k", "padded", "WG_SCALE_H2"),
-                                                ("q6_k", "raw", "WG_SCALE_H2")])
-def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout, define):
+@pytest.mark.parametrize("kind,layout", [("q4_k", "raw"), ("q6_k", "padded"), ("q6_k", "raw")])
+def test_weight_policy_on_cpu_matches_dequant(tmp_path, kind, layout):
     """The weight policies of kernels_cu/wgmma_q4_k.cu and wgmma_q6_k.cu (headers, scales, the
     unpack to f16 A fragments; q6_K in both block layouts) compiled for the CPU
     (tests/cuda_emu/cuda_emu.h; f16x2.cuh's GGP_EMU ops round once from exact values, as the PTX
     does) give engine.reference.wgmma's dequantization bit for bit, in the A-fragment order of
-    wgmma_common.cuh, on random blocks with extreme scales; `define`: an A/B define of the
-    policy set to 1 (WG_SCALE_H2: the scales made in f16x2)."""
+    wgmma_common.cuh, on random blocks with extreme scales (the scales made in f16x2)."""
     import ctypes
 
     from engine.gpu import kernels
 
     fname, policy = {("q4_k", "raw"): ("wgmma_q4_k.cu", "WgQ4K"), ("q6_k", "padded"): ("wgmma_q6_k.cu", "WgQ6K<true, 4>"),
                      ("q6_k", "raw"): ("wgmma_q6_k.cu", "WgQ6K<false, 4>")}[kind, layout]
-    lib = _build_on_cpu(tmp_path, "policy", (f"#define {define} 1\n" if define else "") + kernels.source(fname)
-                        + f"\n#define POLICY {policy}\n" + _POLICY_HARNESS)
+    lib = _build_on_cpu(tmp_path, "policy", kernels.source(fname) + f"\n#define POLICY {policy}\n" + _POLICY_HARNESS)
 
     rng = np.random.default_rng(5)
     N, K = 32, 1024
