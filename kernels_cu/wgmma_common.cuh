@@ -135,23 +135,6 @@ __device__ __forceinline__ void wg_bulk_stage(u32 sbuf, u32 bar, const u8* src, 
     bulk_g2s(sbuf, src, bytes, bar);
 }
 
-// L2 prefetch of super-block sb of rows r0, r1 (BB bytes a block): lane t of a row group takes
-// the 32-byte sectors at 32 t and 32 t + 128 below BB, so the group's 4 lanes cover both blocks.
-// WG_L2PF = D > 0 (an A/B define, token tiles <= 64): at super-block sb the loop prefetches
-// super-block sb + 1 + D, so the register loads of a super-block ahead find it in L2 (the first
-// q4_K profile at T = 32, docs/perf-log.md Session 29: 20% of the stall samples wait for them).
-#ifndef WG_L2PF
-#define WG_L2PF 0
-#endif
-template <int BB>
-__device__ __forceinline__ void wg_prefetch_l2(const u8* r0, const u8* r1, int sb, int t) {
-#pragma unroll
-    for (int o = 32 * t; o < BB; o += 128) {
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(r0 + (size_t)sb * BB + o));
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(r1 + (size_t)sb * BB + o));
-    }
-}
-
 // Lane t's registers of the block's first super-block sb0 (and with WT::PF > 0 its first PF
 // stages, j0 = 4 sb0 on): nst >= 4, the host keeps KP <= K / 256.
 template <class WT, int NSLOT>
@@ -249,9 +232,6 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     constexpr int RB = STAGES >= 8 ? 4 : 1;
     for (int sb = sb0; sb < sb1; ++sb) {
         if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
-        if constexpr (WG_L2PF > 0 && BT <= 64) {
-            if (sb + 1 + WG_L2PF < sb1) wg_prefetch_l2<WT::BLOCK_BYTES>(r0, r1, sb + 1 + WG_L2PF, t);
-        }
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {

@@ -187,18 +187,3 @@ def test_weights_before_wait(fname, instance):
     wait, load = body.index("griddepcontrol.wait"), body.find("ld.global.nc")
     assert 0 <= load < wait, (instance, load, wait)      # (the pair: one wait in each matrix's branch)
 
-
-def test_l2pf_define(monkeypatch):
-    """WG_L2PF (wgmma_common.cuh, an A/B define): the L2 prefetch of a later super-block's weight
-    blocks in the K loop of token tiles <= 64 compiles without spills, at most 128 registers at
-    BT 32 (two blocks a SM), and is in the PTX of a 32-token instance."""
-    from dev.sass_dump import ptx
-
-    monkeypatch.setenv(kernels.DEFINES_ENV, "WG_L2PF=1")
-    res = {r.name: r for r in kernels.compile_for_check(files=["wgmma_q4_k.cu"])}
-    for name, r in res.items():
-        assert r.spill_stores == 0 and r.stack == 0, r
-        if "<32," in name:
-            assert r.registers <= 128, r
-    text, _ = ptx("wgmma_q4_k.cu", "wgmma_q4_k<32, 8>")
-    assert "prefetch.global.L2" in text
