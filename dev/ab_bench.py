@@ -175,9 +175,8 @@ def run_sets(model, sets, prompts, gens, reps, rounds, bench_pp, bench_tg):
                 os.environ[ENV] = defines
                 for attr, value in {**saved_attrs, **attrs}.items():
                     setattr(model, attr, value)
-                tg_only = only_pp == []
                 rows = ([bench_pp(model, p, 0, reps) for p in (prompts if only_pp is None else only_pp)] +
-                        [bench_tg(model, n, 0, reps) for n in (gens if only_pp is None or tg_only else [])])
+                        [bench_tg(model, n, 0, reps) for n in (gens if not only_pp else [])])   # None or TG=1's []
                 for row in rows:
                     samples[s].setdefault(row.test, []).extend(row.samples_ts)
                     if row.test not in tests:

@@ -67,6 +67,14 @@ template <u32 MASK, u32 OR>
 inline u32 and_or(u32 a) { return (a & MASK) | OR; }
 #endif
 
+// A super-block scale in f16x2 without conversions: bytes sel (a PRMT selector: two bytes of w,
+// each beside 0x64) make the f16 pair 1024 + byte; adding `bias` (-1024, or -1024 - 128 for a
+// sign-flipped int8) leaves the integer exactly; times `scale` rounds the exact product once,
+// as the f32 product (exact) rounded to f16 does.
+__device__ __forceinline__ u32 h2_byte_scaled(u32 w, u32 sel, u32 bias, u32 scale) {
+    return h2_mul(h2_add(__byte_perm(w, 0x64646464u, sel), bias), scale);
+}
+
 __device__ __forceinline__ u32 uint4_word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }

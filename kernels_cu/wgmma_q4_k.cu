@@ -56,15 +56,14 @@ static __device__ __forceinline__ void row_scales(const uint4& h, int t, u32& s_
     const bool upper = t >= 2;
     const u32 sc = upper ? ((C & 0x0F0Fu) | ((A >> 2) & 0x3030u)) : (A & 0x3F3Fu);
     const u32 mn = upper ? (((C >> 4) & 0x0F0Fu) | ((B >> 2) & 0x3030u)) : (B & 0x3F3Fu);
-    // In f16x2: (1024 + sc) from the byte and 0x64 (PRMT), - 1024 (exact), times (d, d) rounds the
-    // exact product once, as the f32 product (exact: 11 x 6 bits) rounded to f16 does; times
-    // (-dmin, -dmin) gives -m' (the sign of a product is exact). No int/f32/f16 conversions
-    // (against the I2F / FMUL / F2F form: pp32 +1.3..+3.7%, pp128 +1.4..+2.1%, H100, Session 29).
+    // In f16x2 (f16x2.cuh h2_byte_scaled; exact products: 11 x 6 bits); times (-dmin, -dmin) gives
+    // -m' (the sign of a product is exact). Against the I2F / FMUL / F2F form: pp32 +1.3..+3.7%,
+    // pp128 +1.4..+2.1% (H100, docs/perf-log.md Session 29).
     const u32 d2 = __byte_perm(h.x, 0, 0x1010), nm2 = __byte_perm(h.x, 0, 0x3232) ^ 0x80008000u;
-    s_lo = h2_mul(h2_add(__byte_perm(sc, 0x64646464u, 0x4040), H2_M1024), d2);
-    s_hi = h2_mul(h2_add(__byte_perm(sc, 0x64646464u, 0x4141), H2_M1024), d2);
-    m_lo = h2_mul(h2_add(__byte_perm(mn, 0x64646464u, 0x4040), H2_M1024), nm2);
-    m_hi = h2_mul(h2_add(__byte_perm(mn, 0x64646464u, 0x4141), H2_M1024), nm2);
+    s_lo = h2_byte_scaled(sc, 0x4040, H2_M1024, d2);
+    s_hi = h2_byte_scaled(sc, 0x4141, H2_M1024, d2);
+    m_lo = h2_byte_scaled(mn, 0x4040, H2_M1024, nm2);
+    m_hi = h2_byte_scaled(mn, 0x4141, H2_M1024, nm2);
 }
 
 // Word -> the two k16 steps' registers of one row: lo = step 2m (cols 2t.., 2t+8..), hi = step 2m+1.

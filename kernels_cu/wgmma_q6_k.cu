@@ -75,13 +75,11 @@ static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, i
 static __device__ __forceinline__ void scales(Sc& sc, const Sb& s, int t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        // In f16x2: the byte with its sign bit flipped is q + 128, beside 0x64 (PRMT) 1024 + q + 128;
-        // - 1152 leaves q exactly; times (d, d) rounds the exact product once, as the f32 product
-        // (exact) rounded to f16 does.
+        // In f16x2 (f16x2.cuh h2_byte_scaled): the int8 scale with its sign bit flipped is q + 128,
+        // so the bias -1152 leaves q.
         const u32 d2 = __byte_perm(s.d[r], 0, 0x1010), u = s.sc[r] ^ 0x80808080u;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            sc.v[r][i] = h2_mul(h2_add(__byte_perm(u, 0x64646464u, 0x4040u + 0x0101u * i), H2_M1152), d2);
+        for (int i = 0; i < 4; ++i) sc.v[r][i] = h2_byte_scaled(u, 0x4040u + 0x0101u * i, H2_M1152, d2);
     }
 }
 
