@@ -155,13 +155,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return r;
 }
 
-__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ void st_shared_v4(u32 addr, const uint4& v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
                  :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");

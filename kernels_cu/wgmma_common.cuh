@@ -147,17 +147,6 @@ __device__ __forceinline__ void wg_load_first(typename WT::Sb& cur, typename WT:
     }
 }
 
-// A/B (issue 12, WG_WRING = D > 0): formats without per-stage loads (PF = 0) at BT <= 64 stream
-// their weights D super-blocks ahead through a shared ring of D + 1 slots (slot: uint4 i of lane
-// `tid` at i * 4096 + 16 tid, WT::src(i, ..) its global address) filled by each thread's own
-// cp.async, one commit group a super-block; no barrier: a thread reads only what it copied.
-// 0: registers, one super-block ahead (Sb cur / nxt).
-#ifndef WG_WRING
-#define WG_WRING 0
-#endif
-template <class WT, int BT>
-constexpr int wg_wring() { return WT::PF == 0 && BT <= 64 ? WG_WRING : 0; }
-
 // Dynamic shared memory of wgmma_gemm<_, BT, STAGES, KP> (engine.gpu.ops.wgmma.smem_bytes mirrors it):
 // the stage buffers (with KP > 1 at least the BT * 512 bytes of the partial tile that reuses
 // them after the K loop), then one 8-byte mbarrier per stage.
@@ -216,25 +205,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     // pp128 +0.3..+1.6%, pp3314 / pp8192 +0..+1% (docs/perf-log.md Session 28).
     typename WT::Sb cur, nxt;
     typename WT::St st[NSLOT];
-    constexpr int WD = wg_wring<WT, BT>(), NU = sizeof(typename WT::Sb) / 16;
-    static_assert(WD == 0 || STAGES % 2 == 0, "the ring follows the mbarriers 16-byte aligned");
-    const u32 ring = bars + 8 * STAGES + 16 * threadIdx.x;      // WD > 0: this thread's uint4 0 of slot 0
-    auto ring_slot = [&](int b) { return ring + (u32)((b - sb0) % (WD + 1)) * (NU * 4096); };
-    auto ring_issue = [&](int b) {                              // super-block b's group (empty past sb1)
-        if constexpr (WD > 0) {
-            if (b < sb1) {
-#pragma unroll
-                for (int i = 0; i < NU; ++i) cp_async16(ring_slot(b) + i * 4096, WT::src(i, r0, r1, b, t), 16);
-            }
-            cp_async_commit();
-        }
-    };
-    if constexpr (WD > 0) {
-#pragma unroll
-        for (int d = 0; d < WD; ++d) ring_issue(sb0 + d);
-    } else {
-        wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
-    }
+    wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
     pdl_entry();
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -260,14 +231,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     // refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
     constexpr int RB = STAGES >= 8 ? 4 : 1;
     for (int sb = sb0; sb < sb1; ++sb) {
-        if constexpr (WD > 0) {
-            ring_issue(sb + WD);
-            cp_async_wait<WD>();                       // super-block sb's group landed
-#pragma unroll
-            for (int i = 0; i < NU; ++i) reinterpret_cast<uint4*>(&cur)[i] = ld_shared_v4(ring_slot(sb) + i * 4096);
-        } else if (sb + 1 < sb1) {
-            WT::load(nxt, r0, r1, sb + 1, t);
-        }
+        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
@@ -298,7 +262,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                     }
             }
         }
-        if constexpr (WD == 0) cur = nxt;
+        cur = nxt;
     }
     wg_wait<0>();
 

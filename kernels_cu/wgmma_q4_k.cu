@@ -34,12 +34,6 @@ struct Sc {
     u32 v[2][4];                                       // row r: scale lo, -min lo, scale hi, -min hi
 };
 
-// WG_WRING (wgmma_common.cuh): uint4 i of Sb (hdr[0], hdr[1], qs[0][0..1], qs[1][0..1]) in global memory.
-static __device__ __forceinline__ const uint4* src(int i, const u8* r0, const u8* r1, int sb, int t) {
-    const uint4* p = (const uint4*)((i == 1 || i >= 4 ? r1 : r0) + (size_t)sb * 144);
-    return i < 2 ? p : p + 1 + 2 * t + (i & 1);
-}
-
 static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, int sb, int t) {
     const uint4* p0 = (const uint4*)(r0 + (size_t)sb * 144);
     const uint4* p1 = (const uint4*)(r1 + (size_t)sb * 144);

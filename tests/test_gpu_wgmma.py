@@ -261,25 +261,6 @@ def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
     _assert_same_bits(outputs(bt=bt, stages=8, kp=kp), outputs(bt=bt, stages=4, kp=kp))
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-@pytest.mark.parametrize("T,K,bt,kp", [
-    (32, 512, 32, 1),          # 2 super-blocks: a ring deeper than the block's range (empty groups)
-    (32, 4096, 32, 4),         # 4 super-blocks a part
-    (24, 2816, 64, 2),         # ragged tokens, 11 super-blocks in uneven parts
-    (17, 9216, 32, 8),         # 36 super-blocks in 8 parts of 4 / 5
-    (64, 4096, 64, 1),         # 16 super-blocks, the ring wraps 4-6 times
-])
-def test_wgmma_weight_ring_same_bits(rng, monkeypatch, T, K, bt, kp, depth):
-    """The A/B define WG_WRING = depth (q4_K weights streamed `depth` super-blocks ahead through a
-    shared-memory ring by cp.async, wgmma_common.cuh) only moves loads: every launcher gives the
-    bits of the register path."""
-    _sm90()
-    outputs = _launcher_outputs(rng, T, K)
-    want = outputs(bt=bt, stages=8, kp=kp)
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", f"WG_WRING={depth}")
-    _assert_same_bits(outputs(bt=bt, stages=8, kp=kp), want)
-
-
 @pytest.mark.parametrize("T,F,K,bt,kp", [
     (32, 256, 1024, 32, 1),             # one token tile, two row tiles (gate | up halves)
     (50, 512, 2816, 64, 2),             # ragged tokens; K split, uneven parts

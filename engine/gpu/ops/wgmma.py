@@ -36,14 +36,11 @@ BK = 64               # WG_BK
 
 def smem_bytes(bt: int, stages: int, kp: int = 1) -> int:
     """wgmma_common.cuh wg_stage_area (the stage buffers; with kp > 1 at least the partial tile
-    of bt x 128 floats), then one 8-byte mbarrier per stage, then with the A/B define
-    WG_WRING = D > 0 at bt <= 64 the weight ring (D + 1 slots of a q4_K super-block's 96 bytes a
-    thread)."""
+    of bt x 128 floats), then one 8-byte mbarrier per stage."""
     area = stages * bt * BK * 2
     if kp > 1:
         area = max(area, bt * ROWS * 4)
-    ring = kernels.define_value("WG_WRING", 0)
-    return area + 8 * stages + ((ring + 1) * 96 * THREADS if ring > 0 and bt <= 64 else 0)
+    return area + 8 * stages
 
 
 def tiled_shape(T: int, K: int) -> tuple[int, int, int, int, int]:
