@@ -226,6 +226,10 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
         return bt, 1
     bt = min(bt, 64)
     blocks = -(-T // bt) * tiles
+    from engine.gpu.kernels import define_value   # here: kernels imports this module
+    big_kp = define_value("WG_KP_BIG", 0)          # A/B: matrices of >= WG_KP_MIN_TILES row tiles in big_kp parts
+    if big_kp and tiles >= define_value("WG_KP_MIN_TILES", 128):
+        return bt, big_kp
     kp = 1
     while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_SPLIT_BLOCKS and 2 * kp <= K // 256:
         kp *= 2
@@ -235,9 +239,9 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
 
 
 def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:
-    if bt not in WGMMA_BTS or not 3 <= stages <= 8 or kp not in (1, 2, 4, 8):
+    if bt not in WGMMA_BTS or not 3 <= stages <= 8 or not 1 <= kp <= 8:
         raise ValueError(f"{kernel}: BT={bt} ({', '.join(map(str, WGMMA_BTS))}), STAGES={stages} (3..8), "
-                         f"KP={kp} (1, 2, 4, 8) not supported")
+                         f"KP={kp} (1..8) not supported")
 
 
 def wgmma_stages(bt: int) -> int:
