@@ -167,9 +167,9 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
 
 def _epilogue_instanced(T: int, N: int, K: int) -> bool:
     """Whether the production tile choice of an N x K launch at T tokens has a fused-epilogue
-    instance (those are built for registry.WGMMA_PAIR_LAUNCHED: no KP 8)."""
-    cfg = registry.wgmma_config(T, N, K)
-    return cfg in registry.WGMMA_PAIR_LAUNCHED or cfg[1] in (3, 5, 6)     # A/B WG_KP_BIG: built on demand
+    instance: every K split below 8 (registry.WGMMA_PAIR_LAUNCHED lists production's; an A/B split
+    such as WG_KP_BIG's 3 builds on demand)."""
+    return registry.wgmma_config(T, N, K)[1] < 8
 
 
 def swiglu_fusable(weight: DeviceWeight, T: int) -> bool:
