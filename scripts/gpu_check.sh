@@ -214,7 +214,7 @@ step_hopper() {
 # the summed time over the shapes, and whether every output was within the bound.
 step_hopper_defs() {
   local rc=0 i=0 d defs
-  IFS=';' read -ra defs <<< "${HOPPER_DEFS:-}"
+  IFS=';' read -ra defs <<< "${HOPPER_DEFS:-;}"   # unset or empty: the default build alone
   for d in "${defs[@]}"; do
     GGUF_PREFILL_KERNEL_DEFINES="$d" python3 -m dev.hopper_bench --wgmma-only --tokens "${HOPPER_TOKENS:-32,64,128}" \
         --configs "${HOPPER_CONFIGS:-auto}" ${HOPPER_SHAPES:+--shapes $HOPPER_SHAPES} --reps "${HOPPER_REPS:-20}" \
