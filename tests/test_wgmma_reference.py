@@ -311,15 +311,16 @@ def test_wgmma_config_kp_big_define(monkeypatch):
     at token tiles <= 64 (the gate|up GEMMs, unsplit in production) and leaves every other choice;
     the fused SwiGLU epilogue still takes such a split."""
     from engine.gpu import registry
+    from engine.gpu.kernels import DEFINES_ENV
     from engine.gpu.ops.wgmma import _epilogue_instanced
 
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_KP_BIG=3")
+    monkeypatch.setenv(DEFINES_ENV, "WG_KP_BIG=3")
     assert registry.wgmma_config(32, 22016, 4096) == (32, 3)
     assert registry.wgmma_config(64, 37888, 3584) == (64, 3)
     assert registry.wgmma_config(32, 12288, 4096) == (32, 2)          # 96 row tiles: production's
     assert registry.wgmma_config(128, 22016, 4096) == (128, 1)        # one 128-token tile, unsplit
     assert _epilogue_instanced(32, 22016, 4096)
-    monkeypatch.setenv("GGUF_PREFILL_KERNEL_DEFINES", "WG_KP_BIG=3,WG_KP_MIN_TILES=96")
+    monkeypatch.setenv(DEFINES_ENV, "WG_KP_BIG=3,WG_KP_MIN_TILES=96")
     assert registry.wgmma_config(32, 12288, 4096) == (32, 3)          # 96 row tiles
     assert registry.wgmma_config(32, 11008, 4096) == (32, 2)          # 86: production's
 
