@@ -48,16 +48,6 @@ static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, i
     for (int i = 0; i < 4; ++i) s.qs[i >> 1][i & 1] = __ldg((const uint4*)(b + 256 + 512 * i + 16 * lane));
     return;
 #endif
-#if WG_PROBE_NOLOAD
-    // A/B timing probe (wrong results): no weight loads, the registers made from the row address
-    // and sb (values the compiler cannot fold), so the time left is the GEMM without its weights.
-    const u32 x = (u32)(size_t)r0 ^ (u32)(size_t)r1 ^ (u32)(sb * 0x9E3779B9u) ^ (u32)t;
-    s.hdr[0] = make_uint4(x * 37u, x * 3u, x * 5u, x * 7u);
-    s.hdr[1] = make_uint4(x * 41u, x * 11u, x * 13u, x * 17u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.qs[i >> 1][i & 1] = make_uint4(x * (19u + i), x * (23u + i), x * (29u + i), x * (31u + i));
-    return;
-#endif
     const uint4* p0 = (const uint4*)(r0 + (size_t)sb * 144);
     const uint4* p1 = (const uint4*)(r1 + (size_t)sb * 144);
     s.hdr[0] = __ldg(p0);
