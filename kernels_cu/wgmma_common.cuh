@@ -187,12 +187,6 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     if constexpr (ROPE) wg_rope_rows(*rope, warp, g, rp0, rstep);
     const u8* r0 = W + (size_t)(SWIGLU ? feat : ROPE ? tile * WG_ROWS + rp0 : row0) * row_bytes;
     const u8* r1 = r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)rstep) * row_bytes;
-#if WG_PROBE_COALESCED            // timing probe, wrong results (wgmma_q4_k.cu WgQ4K::load)
-    if constexpr (WT::BLOCK_BYTES == 144) {
-        r0 = W + (size_t)tile * WG_ROWS * row_bytes + warp * 2304;
-        r1 = r0 + 16 * g;
-    }
-#endif
     const int nsb_all = K / 256;
     const int sb0 = KP > 1 ? (int)(blockIdx.z * nsb_all / KP) : 0;
     const int sb1 = KP > 1 ? (int)((blockIdx.z + 1) * nsb_all / KP) : nsb_all;

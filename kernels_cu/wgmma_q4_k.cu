@@ -35,19 +35,6 @@ struct Sc {
 };
 
 static __device__ __forceinline__ void load(Sb& s, const u8* r0, const u8* r1, int sb, int t) {
-#if WG_PROBE_COALESCED
-    // A/B timing probe (wrong results): the same bytes read as if the weights were tile-major,
-    // super-block sb of a 128-row tile at 18,432 sb, a warp's 16 rows at 2,304 warp (r0), its 16
-    // headers first, then qs piece i (qs[r][h], i = 2 r + h) of lane L at 256 + 512 i + 16 L
-    // (r1 = r0 + 16 g): every qs load one contiguous 512 bytes, every header load 128.
-    const u8* b = r0 + (size_t)sb * 18432;
-    const int lane = (int)(r1 - r0) / 4 + t;
-    s.hdr[0] = __ldg((const uint4*)(r1 + (size_t)sb * 18432));
-    s.hdr[1] = __ldg((const uint4*)(r1 + (size_t)sb * 18432 + 128));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.qs[i >> 1][i & 1] = __ldg((const uint4*)(b + 256 + 512 * i + 16 * lane));
-    return;
-#endif
     const uint4* p0 = (const uint4*)(r0 + (size_t)sb * 144);
     const uint4* p1 = (const uint4*)(r1 + (size_t)sb * 144);
     s.hdr[0] = __ldg(p0);
