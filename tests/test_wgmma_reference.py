@@ -306,25 +306,6 @@ def test_wgmma_config_choices():
             assert (bt, kp) in registry.WGMMA_LAUNCHED and kp <= K // 256
 
 
-def test_wgmma_config_kp_big_define(monkeypatch):
-    """The A/B define WG_KP_BIG = k splits matrices of >= WG_KP_MIN_TILES (128) row tiles in k parts
-    at token tiles <= 64 (the gate|up GEMMs, unsplit in production) and leaves every other choice;
-    the fused SwiGLU epilogue still takes such a split."""
-    from engine.gpu import registry
-    from engine.gpu.kernels import DEFINES_ENV
-    from engine.gpu.ops.wgmma import _epilogue_instanced
-
-    monkeypatch.setenv(DEFINES_ENV, "WG_KP_BIG=3")
-    assert registry.wgmma_config(32, 22016, 4096) == (32, 3)
-    assert registry.wgmma_config(64, 37888, 3584) == (64, 3)
-    assert registry.wgmma_config(32, 12288, 4096) == (32, 2)          # 96 row tiles: production's
-    assert registry.wgmma_config(128, 22016, 4096) == (128, 1)        # one 128-token tile, unsplit
-    assert _epilogue_instanced(32, 22016, 4096)
-    monkeypatch.setenv(DEFINES_ENV, "WG_KP_BIG=3,WG_KP_MIN_TILES=96")
-    assert registry.wgmma_config(32, 12288, 4096) == (32, 3)          # 96 row tiles
-    assert registry.wgmma_config(32, 11008, 4096) == (32, 2)          # 86: production's
-
-
 def _build_on_cpu(tmp_path, name: str, source: str):
     """`source` (kernel code and a harness) compiled by g++ against the CPU emulator's header
     (tests/cuda_emu/cuda_emu.h), loaded with ctypes; skips without g++."""

@@ -226,10 +226,6 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
         return bt, 1
     bt = min(bt, 64)
     blocks = -(-T // bt) * tiles
-    from engine.gpu.kernels import define_value   # here: kernels imports this module
-    big_kp = define_value("WG_KP_BIG", 0)          # A/B: matrices of >= WG_KP_MIN_TILES row tiles in big_kp parts
-    if big_kp and tiles >= define_value("WG_KP_MIN_TILES", 128):
-        return bt, big_kp
     kp = 1
     while 2 * kp in WGMMA_KPS and blocks * 2 * kp <= WGMMA_SPLIT_BLOCKS and 2 * kp <= K // 256:
         kp *= 2

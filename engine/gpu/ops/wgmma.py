@@ -167,8 +167,8 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
 
 def _epilogue_instanced(T: int, N: int, K: int) -> bool:
     """Whether the production tile choice of an N x K launch at T tokens has a fused-epilogue
-    instance: every K split below 8 (registry.WGMMA_PAIR_LAUNCHED lists production's; an A/B split
-    such as WG_KP_BIG's 3 builds on demand)."""
+    instance: every K split below 8 (registry.WGMMA_PAIR_LAUNCHED lists production's; another
+    split, such as a hopper_bench config's 3, builds on demand)."""
     return registry.wgmma_config(T, N, K)[1] < 8
 
 
