@@ -7,6 +7,7 @@
 #   server test): pip download gguf fastapi uvicorn httpx --only-binary=:all: \
 #   --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
+#   GPU_REQUIRE=H200 runs nothing on a card whose name lacks it.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
 #   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, synth, defines); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
@@ -20,6 +21,16 @@ export GPU_REPORT="$OUT/gpu_report.jsonl"
 rm -f "$OUT/test_groups.txt"
 STEPS="${STEPS:-tests bench}"
 STATUS=0
+
+# GPU_REQUIRE=H200: run nothing unless the card's name contains it (a gate call that lands on
+# another card then costs only its start; the device may give an H100 for an H200 request).
+if [ -n "${GPU_REQUIRE:-}" ]; then
+  gpu_name="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  case "$gpu_name" in
+    *"$GPU_REQUIRE"*) ;;
+    *) echo "GPU_REQUIRE=$GPU_REQUIRE: this card is '$gpu_name'; nothing run"; exit 0 ;;
+  esac
+fi
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
