@@ -167,9 +167,8 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
 
 def _epilogue_instanced(T: int, N: int, K: int) -> bool:
     """Whether the production tile choice of an N x K launch at T tokens has a fused-epilogue
-    instance: every K split below 8 (registry.WGMMA_PAIR_LAUNCHED lists production's; another
-    split, such as a hopper_bench config's 3, builds on demand)."""
-    return registry.wgmma_config(T, N, K)[1] < 8
+    instance (those are built for registry.WGMMA_PAIR_LAUNCHED: no KP 8)."""
+    return registry.wgmma_config(T, N, K) in registry.WGMMA_PAIR_LAUNCHED
 
 
 def swiglu_fusable(weight: DeviceWeight, T: int) -> bool:
