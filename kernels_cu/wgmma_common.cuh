@@ -54,6 +54,48 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
+// WG_TIMELINE (a diagnostic define, 0 in production): thread 0 of each block records the
+// %globaltimer (ns) of the GEMM's phases into wg_timeline[linear block id][WG_TL_SLOTS], read back
+// by dev/wg_timeline.py: entry, after the PDL wait, stages issued, the first super-block's
+// weights in use, its stage 0 landed, the first super-block done, the K loop done (after the last
+// wgmma), exit; then clock64 at entry and at exit and %smid. A timestamp that follows a value
+// branches on it first (wg_tl_after), so it cannot be taken before the value has arrived.
+#ifndef WG_TIMELINE
+#define WG_TIMELINE 0
+#endif
+#if WG_TIMELINE
+#define WG_TL_BLOCKS 8192
+#define WG_TL_SLOTS 12
+enum { WG_TL_ENTRY, WG_TL_PDL, WG_TL_ISSUED, WG_TL_WEIGHTS0, WG_TL_STAGE0, WG_TL_SB0, WG_TL_LOOP, WG_TL_EXIT,
+       WG_TL_CLK0, WG_TL_CLK1, WG_TL_SMID };
+__device__ unsigned long long wg_timeline[WG_TL_BLOCKS * WG_TL_SLOTS];
+__device__ __forceinline__ unsigned long long* wg_tl_row() {
+    const u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return b < WG_TL_BLOCKS ? wg_timeline + (size_t)b * WG_TL_SLOTS : nullptr;
+}
+__device__ __forceinline__ void wg_tl(int slot) {
+    unsigned long long* row = wg_tl_row();
+    if (threadIdx.x != 0 || row == nullptr) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    row[slot] = t;
+    if (slot == WG_TL_ENTRY || slot == WG_TL_EXIT) {
+        long long c;
+        u32 sm;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        row[slot == WG_TL_ENTRY ? WG_TL_CLK0 : WG_TL_CLK1] = (unsigned long long)c;
+        row[WG_TL_SMID] = sm;
+    }
+}
+__device__ __forceinline__ void wg_tl_after(int slot, u32 dep) {
+    if (dep != 0xFFFFFFFFu) wg_tl(slot);
+}
+#else
+#define wg_tl(slot) ((void)0)
+#define wg_tl_after(slot, dep) ((void)0)
+#endif
+
 #define WG_BK 64                       // k per activation stage
 #define WG_ROWS 128                    // weight rows per block (2 warpgroups x 64)
 #define WG_THREADS 256
@@ -205,8 +247,10 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     // pp128 +0.3..+1.6%, pp3314 / pp8192 +0..+1% (docs/perf-log.md Session 28).
     typename WT::Sb cur, nxt;
     typename WT::St st[NSLOT];
+    wg_tl(WG_TL_ENTRY);
     wg_load_first<WT, NSLOT>(cur, st, r0, r1, sb0, j0, t);
     pdl_entry();
+    wg_tl(WG_TL_PDL);
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < STAGES; ++b) mbar_init(bars + 8 * b, 1);
@@ -216,6 +260,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     if (threadIdx.x == 0)
         for (int l = 0; l < STAGES && l < nst; ++l)
             wg_bulk_stage(s0 + l * STAGE_BYTES, bars + 8 * l, src0 + l * src_step, copy_bytes);
+    wg_tl(WG_TL_ISSUED);
 
     float acc[Tile::NH][Tile::NACC];
 #pragma unroll
@@ -230,14 +275,17 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
     // super-block together at the next super-block's first stage (a barrier a super-block), each
     // refilled stage STAGES - 4 .. STAGES - 1 stages ahead of its use.
     constexpr int RB = STAGES >= 8 ? 4 : 1;
+    static_assert(STAGES < 8 || STAGES % 4 == 0, "the super-block refill takes whole super-blocks of buffers");
     for (int sb = sb0; sb < sb1; ++sb) {
         if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
         WT::scales(sc, cur, t);
+        if (sb == sb0) wg_tl_after(WG_TL_WEIGHTS0, sc.v[0][0]);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const int j = sb * 4 + jj;                                  // global stage
             const u32 l = (u32)(j - j0), buf = l % STAGES;              // local stage, its buffer
             mbar_wait(bars + 8 * buf, (l / STAGES) & 1);                // stage l landed
+            if (l == 0) wg_tl(WG_TL_STAGE0);
             WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
             if constexpr (WT::PF > 0) {                // the slot is free: stage j + PF into it
                 if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
@@ -263,8 +311,10 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
             }
         }
         cur = nxt;
+        if (sb == sb0) wg_tl(WG_TL_SB0);
     }
     wg_wait<0>();
+    wg_tl_after(WG_TL_LOOP, __float_as_uint(acc[0][0]));
 
     // acc[h][4 i + e]: row g + 8 (e >> 1), token BN h + 8 i + 2 t + (e & 1)
     const int tok0 = g0 * 8;
@@ -354,4 +404,5 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
         }
         cluster_sync();                                // no block leaves while its tile is read
     }
+    wg_tl(WG_TL_EXIT);
 }

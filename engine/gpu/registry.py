@@ -234,10 +234,17 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
     return bt, kp
 
 
+# Deeper activation rings for token tiles <= 64 (an A/B form: hopper_bench configs such as 32x16,
+# or the define WG_SMALL_STAGES=16): the super-block refill of wgmma_gemm (STAGES >= 8) runs
+# STAGES / 4 - 1 super-blocks ahead; 16 stages of a 64-token tile are 128 KB of shared memory.
+WGMMA_DEEP_STAGES = (12, 16)
+
+
 def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:
-    if bt not in WGMMA_BTS or not 3 <= stages <= 8 or not 1 <= kp <= 8:
-        raise ValueError(f"{kernel}: BT={bt} ({', '.join(map(str, WGMMA_BTS))}), STAGES={stages} (3..8), "
-                         f"KP={kp} (1..8) not supported")
+    stages_ok = 3 <= stages <= 8 or (stages in WGMMA_DEEP_STAGES and bt <= 64)
+    if bt not in WGMMA_BTS or not stages_ok or not 1 <= kp <= 8:
+        raise ValueError(f"{kernel}: BT={bt} ({', '.join(map(str, WGMMA_BTS))}), STAGES={stages} (3..8; "
+                         f"{' or '.join(map(str, WGMMA_DEEP_STAGES))} at BT <= 64), KP={kp} (1..8) not supported")
 
 
 def wgmma_stages(bt: int) -> int:

@@ -1,0 +1,97 @@
+"""CPU-only: the WG_TIMELINE diagnostic of the wgmma GEMMs (kernels_cu/wgmma_common.cuh) and its
+reader dev/wg_timeline.py: the reader's slots are the kernel's, its summary of a known record is
+right, the define's build stamps the timer and the production build has no trace of it; and the
+deeper activation rings (STAGES 12 / 16 at token tiles <= 64) are accepted and compile."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dev import wg_timeline as tl
+from engine.gpu import kernels, registry
+from tests.test_kernels_compile import _require_nvrtc
+
+
+def test_slots_match_kernel():
+    assert tl.PHASES == tl.source_phases()
+    assert len(tl.PHASES) <= tl.SLOTS
+
+
+def test_block_super_blocks_kp3():
+    # K = 4096: 16 super-blocks in 3 parts of 5, 5, 6; grid 2 x 2 x 3: z = id // 4
+    nsb = tl.block_super_blocks(12, (2, 2, 3), 4096)
+    assert nsb.tolist() == [5] * 4 + [5] * 4 + [6] * 4
+    assert tl.block_super_blocks(3, (1, 3, 1), 4096).tolist() == [16, 16, 16]
+
+
+def _record(entry, pdl, issued, w0, st0, sb0, loop, exit_, sm, ghz=1.98):
+    row = np.zeros(tl.SLOTS, dtype=np.uint64)
+    base = 10**12                                     # globaltimer ns
+    for name, us in zip(("ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EXIT"),
+                        (entry, pdl, issued, w0, st0, sb0, loop, exit_)):
+        row[tl.S[name]] = base + int(round(us * 1e3))
+    row[tl.S["CLK0"]] = 5_000_000
+    row[tl.S["CLK1"]] = 5_000_000 + int(round((exit_ - entry) * 1e3 * ghz))
+    row[tl.S["SMID"]] = sm
+    return row
+
+
+def test_summarize_known_record():
+    # two blocks share SM 0 through their loops, a third runs alone on SM 1 and ends last
+    rec = np.stack([
+        _record(0.0, 1.0, 1.2, 2.0, 2.5, 4.0, 19.0, 19.5, sm=0),     # 16 sb: (19 - 4) / 15 = 1.0 us each
+        _record(0.1, 1.0, 1.3, 2.1, 2.6, 4.1, 19.1, 19.4, sm=0),
+        _record(0.2, 1.1, 1.3, 2.0, 2.4, 3.4, 21.4, 22.0, sm=1),     # 16 sb: 18 / 15 = 1.2 us each
+    ])
+    s = tl.summarize(rec, np.array([16, 16, 16]))
+    assert s["blocks"] == 3 and s["sms"] == 2 and s["blocks_per_sm"] == {1: 1, 2: 1}
+    assert s["span_us"] == pytest.approx(22.0)
+    assert s["phases_us"]["pdl"]["max"] == pytest.approx(1.0)
+    assert s["phases_us"]["weights0"]["median"] == pytest.approx(0.8)
+    assert s["phases_us"]["stage0"]["median"] == pytest.approx(0.5)
+    assert s["per_sb_by_resident"] == pytest.approx({1: 1.2, 2: 1.0})
+    lb = s["last_block"]
+    assert lb["id"] == 2 and lb["sm"] == 1 and lb["resident"] == 1
+    assert lb["epilogue"] == pytest.approx(0.6) and lb["per_sb"] == pytest.approx(1.2)
+    assert s["sm_ghz"] == pytest.approx(1.98, rel=1e-3)
+    text = tl.format_summary("q4_k 22016x4096 T=32 auto", s, ms=0.0305)
+    assert "span 22.0 us" in text and "2: 1.000 us" in text
+
+
+def test_summarize_rejects_missing_or_unordered():
+    good = _record(0.0, 1.0, 1.2, 2.0, 2.5, 4.0, 19.0, 19.5, sm=0)
+    missing = good.copy()
+    missing[tl.S["ENTRY"]] = 0
+    with pytest.raises(ValueError, match="missing or out of order"):
+        tl.summarize(np.stack([good, missing]), np.array([16, 16]))
+    swapped = good.copy()
+    swapped[[tl.S["SB0"], tl.S["LOOP"]]] = swapped[[tl.S["LOOP"], tl.S["SB0"]]]
+    with pytest.raises(ValueError, match="missing or out of order"):
+        tl.summarize(swapped[None], np.array([16]))
+
+
+def test_timeline_build_stamps_and_production_does_not(monkeypatch):
+    _require_nvrtc()
+    from dev.sass_dump import ptx
+
+    inst = "wgmma_q4_k_kp<32, 8, 4>"
+    monkeypatch.delenv(kernels.DEFINES_ENV, raising=False)
+    prod, _ = ptx("wgmma_q4_k.cu", inst)
+    assert "globaltimer" not in prod and "wg_timeline" not in prod
+    monkeypatch.setenv(kernels.DEFINES_ENV, "WG_TIMELINE=1")
+    diag, _ = ptx("wgmma_q4_k.cu", inst)
+    assert diag.count("%globaltimer") == 8 and ".global .align 8 .b8 wg_timeline" in diag
+
+
+def test_deep_stages_accepted_and_compile():
+    assert registry.wgmma_instance(32, 16, 1) == "wgmma_q4_k<32, 16>"
+    assert registry.wgmma_q6_instance(True, 64, 12, 2) == "wgmma_q6_k_kp<true, 64, 12, 2>"
+    for bt, st in ((128, 16), (32, 10), (32, 20)):
+        with pytest.raises(ValueError, match="not supported"):
+            registry.wgmma_instance(bt, st, 1)
+    _require_nvrtc()
+    from dev.sass_dump import ptx
+
+    for inst in ("wgmma_q4_k<32, 16>", "wgmma_q4_k_swiglu<32, 16>"):
+        text, lowered = ptx("wgmma_q4_k.cu", inst)
+        assert f".entry {lowered}" in text
