@@ -9,7 +9,8 @@
 #   GPU_TESTS="tests/test_a.py;tests/test_b.py -k x" splits the pytest run into processes.
 #   GPU_REQUIRE=H200 runs nothing on a card whose name lacks it.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
-#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, synth, defines); add a section by writing a function
+#   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, synth, defines,
+#   timeline); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -241,6 +242,16 @@ PY
     i=$((i + 1))
   done
   return $rc
+}
+
+# Where a wgmma GEMM's time goes block by block (dev/wg_timeline: the WG_TIMELINE build's phase
+# stamps of the last of back-to-back launches): TIMELINE_SHAPES, TIMELINE_TOKENS (32),
+# TIMELINE_CONFIGS (auto), TIMELINE_SWIGLU=1 for the gate|up kernel with SwiGLU fused.
+step_timeline() {
+  python3 -m dev.wg_timeline --shapes "${TIMELINE_SHAPES:-q4_k:22016x4096,q4_k:4096x4096,q6_k:4096x11008}" \
+      --tokens "${TIMELINE_TOKENS:-32}" --configs "${TIMELINE_CONFIGS:-auto}" \
+      ${TIMELINE_SWIGLU:+--swiglu} --json "$OUT/timeline${TIMELINE_SWIGLU:+_swiglu}.json" 2>&1 | tee "$OUT/timeline${TIMELINE_SWIGLU:+_swiglu}.log"
+  return "${PIPESTATUS[0]}"
 }
 
 # Prefill attention kernels side by side (issue 14): dev/attn_bench on the 7B head layouts at long
