@@ -28,17 +28,20 @@ from pathlib import Path
 
 import numpy as np
 
-SLOTS = 12            # wgmma_common.cuh WG_TL_SLOTS
+SLOTS = 20            # wgmma_common.cuh WG_TL_SLOTS
 MAX_BLOCKS = 8192     # WG_TL_BLOCKS
-PHASES = ("ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EXIT", "CLK0", "CLK1", "SMID")
+PHASES = ("ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EXIT")
 S = {name: i for i, name in enumerate(PHASES)}
+NPH = len(PHASES)     # slot p: %globaltimer of phase p; NPH + p: its clock64; 2 NPH: %smid
+SMID = 2 * NPH
 
 
 def source_phases() -> tuple[str, ...]:
-    """The WG_TL_* enum of kernels_cu/wgmma_common.cuh, in order (tests hold PHASES to it)."""
+    """The WG_TL_* phases of kernels_cu/wgmma_common.cuh, in order (tests hold PHASES to it)."""
     text = (Path(__file__).resolve().parents[1] / "kernels_cu" / "wgmma_common.cuh").read_text()
     body = re.search(r"enum\s*\{\s*(WG_TL_ENTRY[^}]*)\}", text).group(1)
-    return tuple(w.strip()[len("WG_TL_"):] for w in body.split(",") if w.strip())
+    names = [w.strip()[len("WG_TL_"):] for w in body.split(",") if w.strip()]
+    return tuple(n for n in names if n != "PHASES")
 
 
 def block_super_blocks(n_blocks: int, grid: tuple[int, int, int], K: int) -> np.ndarray:
@@ -50,76 +53,90 @@ def block_super_blocks(n_blocks: int, grid: tuple[int, int, int], K: int) -> np.
     return (z + 1) * nsb // kp - z * nsb // kp
 
 
-def _q(a: np.ndarray) -> dict:
+def _q(a) -> dict:
     a = np.asarray(a, dtype=np.float64)
-    return {"min": float(a.min()), "median": float(np.median(a)), "p90": float(np.quantile(a, 0.9)),
-            "max": float(a.max())}
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "min": float(a.min()), "median": float(np.median(a)),
+            "p90": float(np.quantile(a, 0.9)), "max": float(a.max())}
 
 
 def summarize(rec: np.ndarray, nsb: np.ndarray) -> dict:
     """rec: uint64 [blocks, SLOTS] (one launch's wg_timeline rows), nsb: super-blocks per block.
-    Times in us from the launch's first entry. Per block: pdl (entry -> wait done), setup (-> the
-    first stages issued), weights0 (-> the first super-block's weights in use), stage0 (-> its
-    first activation stage landed, after the weights), sb0 (-> the first super-block done),
-    per_sb (the other super-blocks, each), epilogue (K loop done -> exit)."""
+
+    Across blocks (%globaltimer, us from the launch's first entry): entry, exit, span, the gap
+    before a block that starts where an earlier block of the launch left its SM (refill_gap), and
+    the blocks resident on a block's SM at its K loop's midpoint. Within a block (clock64 at the
+    SM clock, pooled cycles / ns of all blocks): pdl (entry -> wait done), setup (-> the first
+    stages issued), weights0 (-> the first super-block's weights in use), stage0 (-> its first
+    activation stage landed, after the weights), sb0 (-> the first super-block done), per_sb
+    (each later super-block), epilogue (K loop done -> exit)."""
     rec = np.asarray(rec, dtype=np.uint64)
     if rec.ndim != 2 or rec.shape[1] != SLOTS or len(rec) != len(nsb):
         raise ValueError(f"wg_timeline: want [blocks, {SLOTS}] rows and one super-block count a block")
-    stamps = rec[:, :S["CLK0"]]
-    if not np.all(stamps[:, S["ENTRY"]] > 0) or np.any(np.diff(stamps.astype(np.int64), axis=1) < 0):
+    gt = rec[:, :NPH].astype(np.int64)
+    clk = rec[:, NPH:2 * NPH].astype(np.int64)
+    if not np.all(gt[:, 0] > 0) or np.any(np.diff(gt, axis=1) < 0) or np.any(np.diff(clk, axis=1) < 0):
         raise ValueError("wg_timeline: a block's stamps are missing or out of order (was the "
                          "WG_TIMELINE build the one launched?)")
-    t0 = int(stamps[:, S["ENTRY"]].min())
-    us = (stamps.astype(np.int64) - t0) / 1e3
-    col = {name: us[:, S[name]] for name in PHASES[:S["CLK0"]]}
+    ns = gt[:, S["EXIT"]] - gt[:, S["ENTRY"]]
+    cyc = clk[:, S["EXIT"]] - clk[:, S["ENTRY"]]
+    ghz = float(cyc.sum() / ns.sum()) if ns.sum() > 0 else float("nan")
+    t0 = int(gt[:, S["ENTRY"]].min())
+    at = {name: (gt[:, S[name]] - t0) / 1e3 for name in PHASES}             # us, launch-wide
+    dur = {name: clk[:, S[name]] / (ghz * 1e3) for name in PHASES}          # us, one block's own
     nsb = np.asarray(nsb)
-    rest = np.maximum(nsb - 1, 1)
     phases = {
-        "pdl": col["PDL"] - col["ENTRY"],
-        "setup": col["ISSUED"] - col["PDL"],
-        "weights0": col["WEIGHTS0"] - col["ISSUED"],
-        "stage0": col["STAGE0"] - col["WEIGHTS0"],
-        "sb0": col["SB0"] - col["STAGE0"],
-        "per_sb": np.where(nsb > 1, (col["LOOP"] - col["SB0"]) / rest, 0.0),
-        "epilogue": col["EXIT"] - col["LOOP"],
+        "pdl": dur["PDL"] - dur["ENTRY"],
+        "setup": dur["ISSUED"] - dur["PDL"],
+        "weights0": dur["WEIGHTS0"] - dur["ISSUED"],
+        "stage0": dur["STAGE0"] - dur["WEIGHTS0"],
+        "sb0": dur["SB0"] - dur["STAGE0"],
+        "per_sb": np.where(nsb > 1, (dur["LOOP"] - dur["SB0"]) / np.maximum(nsb - 1, 1), 0.0),
+        "epilogue": dur["EXIT"] - dur["LOOP"],
     }
-    dur_ns = (rec[:, S["EXIT"]] - rec[:, S["ENTRY"]]).astype(np.float64)
-    cycles = (rec[:, S["CLK1"]].astype(np.int64) - rec[:, S["CLK0"]].astype(np.int64)).astype(np.float64)
-    ok = dur_ns > 0
-    sm = rec[:, S["SMID"]].astype(np.int64)
+    sm = rec[:, SMID].astype(np.int64)
     per_sm = np.bincount(sm)
-    # blocks resident on a block's SM at its K loop's midpoint (itself included)
-    mid = (col["SB0"] + col["LOOP"]) / 2
-    resident = np.array([int(np.sum((sm == sm[i]) & (col["ENTRY"] <= mid[i]) & (col["EXIT"] >= mid[i])))
-                         for i in range(len(rec))])
-    last = int(np.argmax(col["EXIT"]))
-    out = {
+    mid = (at["SB0"] + at["LOOP"]) / 2
+    same = sm[:, None] == sm[None, :]
+    resident = np.sum(same & (at["ENTRY"][None, :] <= mid[:, None]) & (at["EXIT"][None, :] >= mid[:, None]), axis=1)
+    # a block entering after another block of this launch left its SM: the gap since that exit
+    left = np.where(same & (at["EXIT"][None, :] <= at["ENTRY"][:, None]), at["EXIT"][None, :], -np.inf).max(axis=1)
+    refill_gap = (at["ENTRY"] - left)[np.isfinite(left)]
+    last = int(np.argmax(at["EXIT"]))
+    loop = nsb > 1
+    return {
         "blocks": int(len(rec)),
         "sms": int(np.count_nonzero(per_sm)),
         "blocks_per_sm": {int(k): int(v) for k, v in zip(*np.unique(per_sm[per_sm > 0], return_counts=True))},
-        "span_us": float(col["EXIT"].max()),
-        "entry_us": _q(col["ENTRY"]),
-        "exit_us": _q(col["EXIT"]),
+        "span_us": float(at["EXIT"].max()),
+        "span_from_pdl_us": float(at["EXIT"].max() - at["PDL"].min()),
+        "sm_ghz": ghz,
+        "entry_us": _q(at["ENTRY"]),
+        "exit_us": _q(at["EXIT"]),
+        "refill_gap_us": _q(refill_gap),
         "phases_us": {k: _q(v) for k, v in phases.items()},
-        "per_sb_by_resident": {int(r): float(np.median(phases["per_sb"][(resident == r) & (nsb > 1)]))
-                               for r in np.unique(resident[nsb > 1])},
-        "sm_ghz": float(np.median(cycles[ok] / dur_ns[ok])) if ok.any() else float("nan"),
+        "per_sb_by_resident": {int(r): float(np.median(phases["per_sb"][(resident == r) & loop]))
+                               for r in np.unique(resident[loop])},
         "last_block": {"id": last, "sm": int(sm[last]), "super_blocks": int(nsb[last]),
                        "resident": int(resident[last]),
                        **{k: float(v[last]) for k, v in phases.items()},
-                       "entry": float(col["ENTRY"][last]), "exit": float(col["EXIT"][last])},
+                       "entry": float(at["ENTRY"][last]), "exit": float(at["EXIT"][last])},
     }
-    return out
 
 
 def format_summary(label: str, s: dict, ms: float | None = None) -> str:
-    head = f"{label}: {s['blocks']} blocks on {s['sms']} SMs {s['blocks_per_sm']}, span {s['span_us']:.1f} us"
+    head = (f"{label}: {s['blocks']} blocks on {s['sms']} SMs {s['blocks_per_sm']}, span {s['span_us']:.1f} us "
+            f"({s['span_from_pdl_us']:.1f} from the first PDL release)")
     if ms is not None:
-        head += f" (graph {ms * 1e3:.1f} us a launch)"
+        head += f", graph {ms * 1e3:.1f} us a launch"
     lines = [head + f", SM clock {s['sm_ghz']:.2f} GHz",
              f"  {'us':<10s} {'min':>7s} {'median':>7s} {'p90':>7s} {'max':>7s}   last block"]
     lb = s["last_block"]
-    for name, q in [("entry", s["entry_us"]), ("exit", s["exit_us"])] + list(s["phases_us"].items()):
+    rows = [("entry", s["entry_us"]), ("exit", s["exit_us"]), ("refill_gap", s["refill_gap_us"])]
+    for name, q in rows + list(s["phases_us"].items()):
+        if not q.get("n"):
+            continue
         tail = f"{lb[name]:7.2f}" if name in lb else ""
         lines.append(f"  {name:<10s} {q['min']:7.2f} {q['median']:7.2f} {q['p90']:7.2f} {q['max']:7.2f}   {tail}")
     lines.append("  per super-block by blocks resident on the SM: "

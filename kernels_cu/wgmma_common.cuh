@@ -54,37 +54,36 @@
 #include "wgmma_ops.cuh"
 #include "wgmma_rope.cuh"
 
-// WG_TIMELINE (a diagnostic define, 0 in production): thread 0 of each block records the
-// %globaltimer (ns) of the GEMM's phases into wg_timeline[linear block id][WG_TL_SLOTS], read back
-// by dev/wg_timeline.py: entry, after the PDL wait, stages issued, the first super-block's
-// weights in use, its stage 0 landed, the first super-block done, the K loop done (after the last
-// wgmma), exit; then clock64 at entry and at exit and %smid. A timestamp that follows a value
-// branches on it first (wg_tl_after), so it cannot be taken before the value has arrived.
+// WG_TIMELINE (a diagnostic define, 0 in production): thread 0 of each block records the GEMM's
+// phases into wg_timeline[linear block id][WG_TL_SLOTS], read back by dev/wg_timeline.py: entry,
+// after the PDL wait, stages issued, the first super-block's weights in use, its stage 0 landed,
+// the first super-block done, the K loop done (after the last wgmma), exit. Each phase is stamped
+// twice: %globaltimer (ns, one clock for all SMs: the blocks side by side) in slot phase, and
+// clock64 (the SM's cycles, exact: the phases of one block) in slot WG_TL_PHASES + phase; then
+// %smid. A stamp that follows a value branches on it first (wg_tl_after), so it cannot be taken
+// before the value has arrived.
 #ifndef WG_TIMELINE
 #define WG_TIMELINE 0
 #endif
 #if WG_TIMELINE
 #define WG_TL_BLOCKS 8192
-#define WG_TL_SLOTS 12
+#define WG_TL_SLOTS 20
 enum { WG_TL_ENTRY, WG_TL_PDL, WG_TL_ISSUED, WG_TL_WEIGHTS0, WG_TL_STAGE0, WG_TL_SB0, WG_TL_LOOP, WG_TL_EXIT,
-       WG_TL_CLK0, WG_TL_CLK1, WG_TL_SMID };
+       WG_TL_PHASES };
+#define WG_TL_SMID (2 * WG_TL_PHASES)
 __device__ unsigned long long wg_timeline[WG_TL_BLOCKS * WG_TL_SLOTS];
-__device__ __forceinline__ unsigned long long* wg_tl_row() {
-    const u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    return b < WG_TL_BLOCKS ? wg_timeline + (size_t)b * WG_TL_SLOTS : nullptr;
-}
 __device__ __forceinline__ void wg_tl(int slot) {
-    unsigned long long* row = wg_tl_row();
-    if (threadIdx.x != 0 || row == nullptr) return;
-    unsigned long long t;
+    const u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || b >= WG_TL_BLOCKS) return;
+    unsigned long long* row = wg_timeline + (size_t)b * WG_TL_SLOTS;
+    unsigned long long t, c;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
     row[slot] = t;
-    if (slot == WG_TL_ENTRY || slot == WG_TL_EXIT) {
-        long long c;
+    row[WG_TL_PHASES + slot] = c;
+    if (slot == WG_TL_ENTRY) {
         u32 sm;
-        asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        row[slot == WG_TL_ENTRY ? WG_TL_CLK0 : WG_TL_CLK1] = (unsigned long long)c;
         row[WG_TL_SMID] = sm;
     }
 }

@@ -14,7 +14,7 @@ from tests.test_kernels_compile import _require_nvrtc
 
 def test_slots_match_kernel():
     assert tl.PHASES == tl.source_phases()
-    assert len(tl.PHASES) <= tl.SLOTS
+    assert tl.SMID < tl.SLOTS
 
 
 def test_block_super_blocks_kp3():
@@ -24,48 +24,49 @@ def test_block_super_blocks_kp3():
     assert tl.block_super_blocks(3, (1, 3, 1), 4096).tolist() == [16, 16, 16]
 
 
-def _record(entry, pdl, issued, w0, st0, sb0, loop, exit_, sm, ghz=1.98):
+def _record(stamps_us, sm, ghz=1.98, clk0=5_000_000):
+    """One block's row: the 8 phase times (us) as %globaltimer ns and as clock64 at `ghz`."""
     row = np.zeros(tl.SLOTS, dtype=np.uint64)
-    base = 10**12                                     # globaltimer ns
-    for name, us in zip(("ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EXIT"),
-                        (entry, pdl, issued, w0, st0, sb0, loop, exit_)):
-        row[tl.S[name]] = base + int(round(us * 1e3))
-    row[tl.S["CLK0"]] = 5_000_000
-    row[tl.S["CLK1"]] = 5_000_000 + int(round((exit_ - entry) * 1e3 * ghz))
-    row[tl.S["SMID"]] = sm
+    for p, us in enumerate(stamps_us):
+        row[p] = 10**12 + int(round(us * 1e3))
+        row[tl.NPH + p] = clk0 + int(round((us - stamps_us[0]) * 1e3 * ghz))
+    row[tl.SMID] = sm
     return row
 
 
 def test_summarize_known_record():
-    # two blocks share SM 0 through their loops, a third runs alone on SM 1 and ends last
+    # two blocks share SM 0 through their loops; on SM 1 one block, then a second after it left
     rec = np.stack([
-        _record(0.0, 1.0, 1.2, 2.0, 2.5, 4.0, 19.0, 19.5, sm=0),     # 16 sb: (19 - 4) / 15 = 1.0 us each
-        _record(0.1, 1.0, 1.3, 2.1, 2.6, 4.1, 19.1, 19.4, sm=0),
-        _record(0.2, 1.1, 1.3, 2.0, 2.4, 3.4, 21.4, 22.0, sm=1),     # 16 sb: 18 / 15 = 1.2 us each
+        _record((0.0, 1.0, 1.2, 2.0, 2.5, 4.0, 19.0, 19.5), sm=0),   # 16 sb: (19 - 4) / 15 = 1.0 us each
+        _record((0.1, 1.0, 1.3, 2.1, 2.6, 4.1, 19.1, 19.4), sm=0),
+        _record((0.2, 1.1, 1.3, 2.0, 2.4, 3.4, 21.4, 22.0), sm=1),   # alone: 18 / 15 = 1.2 us each
+        _record((22.5, 22.6, 22.7, 23.7, 24.0, 25.0, 25.0, 25.2), sm=1),   # 1 sb, after a 0.5 us gap
     ])
-    s = tl.summarize(rec, np.array([16, 16, 16]))
-    assert s["blocks"] == 3 and s["sms"] == 2 and s["blocks_per_sm"] == {1: 1, 2: 1}
-    assert s["span_us"] == pytest.approx(22.0)
-    assert s["phases_us"]["pdl"]["max"] == pytest.approx(1.0)
-    assert s["phases_us"]["weights0"]["median"] == pytest.approx(0.8)
-    assert s["phases_us"]["stage0"]["median"] == pytest.approx(0.5)
-    assert s["per_sb_by_resident"] == pytest.approx({1: 1.2, 2: 1.0})
-    lb = s["last_block"]
-    assert lb["id"] == 2 and lb["sm"] == 1 and lb["resident"] == 1
-    assert lb["epilogue"] == pytest.approx(0.6) and lb["per_sb"] == pytest.approx(1.2)
+    s = tl.summarize(rec, np.array([16, 16, 16, 1]))
+    assert s["blocks"] == 4 and s["sms"] == 2 and s["blocks_per_sm"] == {2: 2}
+    assert s["span_us"] == pytest.approx(25.2) and s["span_from_pdl_us"] == pytest.approx(24.2)
     assert s["sm_ghz"] == pytest.approx(1.98, rel=1e-3)
+    assert s["phases_us"]["pdl"]["max"] == pytest.approx(1.0, abs=1e-3)
+    assert s["phases_us"]["weights0"]["median"] == pytest.approx(0.8, abs=1e-3)
+    assert s["phases_us"]["stage0"]["max"] == pytest.approx(0.5, abs=1e-3)
+    assert s["refill_gap_us"]["n"] == 1 and s["refill_gap_us"]["max"] == pytest.approx(0.5)
+    assert s["per_sb_by_resident"] == pytest.approx({1: 1.2, 2: 1.0}, abs=1e-3)
+    lb = s["last_block"]
+    assert lb["id"] == 3 and lb["sm"] == 1 and lb["resident"] == 1 and lb["super_blocks"] == 1
+    assert lb["epilogue"] == pytest.approx(0.2, abs=1e-3)
     text = tl.format_summary("q4_k 22016x4096 T=32 auto", s, ms=0.0305)
-    assert "span 22.0 us" in text and "2: 1.000 us" in text
+    assert "span 25.2 us" in text and "2: 1.000 us" in text and "refill_gap" in text
 
 
 def test_summarize_rejects_missing_or_unordered():
-    good = _record(0.0, 1.0, 1.2, 2.0, 2.5, 4.0, 19.0, 19.5, sm=0)
+    good = _record((0.0, 1.0, 1.2, 2.0, 2.5, 4.0, 19.0, 19.5), sm=0)
     missing = good.copy()
     missing[tl.S["ENTRY"]] = 0
     with pytest.raises(ValueError, match="missing or out of order"):
         tl.summarize(np.stack([good, missing]), np.array([16, 16]))
     swapped = good.copy()
-    swapped[[tl.S["SB0"], tl.S["LOOP"]]] = swapped[[tl.S["LOOP"], tl.S["SB0"]]]
+    a, b = tl.NPH + tl.S["SB0"], tl.NPH + tl.S["LOOP"]
+    swapped[[a, b]] = swapped[[b, a]]
     with pytest.raises(ValueError, match="missing or out of order"):
         tl.summarize(swapped[None], np.array([16]))
 
@@ -80,7 +81,7 @@ def test_timeline_build_stamps_and_production_does_not(monkeypatch):
     assert "globaltimer" not in prod and "wg_timeline" not in prod
     monkeypatch.setenv(kernels.DEFINES_ENV, "WG_TIMELINE=1")
     diag, _ = ptx("wgmma_q4_k.cu", inst)
-    assert diag.count("%globaltimer") == 8 and ".global .align 8 .b8 wg_timeline" in diag
+    assert diag.count("%globaltimer") == 8 and diag.count("%clock64") == 8 and ".global .align 8 .b8 wg_timeline" in diag
 
 
 def test_deep_stages_accepted_and_compile():
