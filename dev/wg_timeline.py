@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-SLOTS = 20            # wgmma_common.cuh WG_TL_SLOTS
+SLOTS = 24            # wgmma_common.cuh WG_TL_SLOTS
 MAX_BLOCKS = 8192     # WG_TL_BLOCKS
-PHASES = ("ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EXIT")
+PHASES = ("ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EPI_SYNC", "EPI_SUM", "EXIT")
+SPLIT_ONLY = ("EPI_SYNC", "EPI_SUM")    # stamped by K-split (KP > 1) blocks only
 S = {name: i for i, name in enumerate(PHASES)}
 NPH = len(PHASES)     # slot p: %globaltimer of phase p; NPH + p: its clock64; 2 NPH: %smid
 SMID = 2 * NPH
@@ -70,12 +71,17 @@ def summarize(rec: np.ndarray, nsb: np.ndarray) -> dict:
     SM clock, pooled cycles / ns of all blocks): pdl (entry -> wait done), setup (-> the first
     stages issued), weights0 (-> the first super-block's weights in use), stage0 (-> its first
     activation stage landed, after the weights), sb0 (-> the first super-block done), per_sb
-    (each later super-block), epilogue (K loop done -> exit)."""
+    (each later super-block); with a K split epi_wait (K loop done -> every part's partial tile
+    visible) and epi_sum (-> this part's sums stored); epilogue (-> exit; unsplit: from the K
+    loop's end)."""
     rec = np.asarray(rec, dtype=np.uint64)
     if rec.ndim != 2 or rec.shape[1] != SLOTS or len(rec) != len(nsb):
         raise ValueError(f"wg_timeline: want [blocks, {SLOTS}] rows and one super-block count a block")
     gt = rec[:, :NPH].astype(np.int64)
     clk = rec[:, NPH:2 * NPH].astype(np.int64)
+    for a in (gt, clk):                 # an unsplit block's K-split phases: at its loop's end
+        for name in SPLIT_ONLY:
+            a[:, S[name]] = np.where(a[:, S[name]] == 0, a[:, S["LOOP"]], a[:, S[name]])
     if not np.all(gt[:, 0] > 0) or np.any(np.diff(gt, axis=1) < 0) or np.any(np.diff(clk, axis=1) < 0):
         raise ValueError("wg_timeline: a block's stamps are missing or out of order (was the "
                          "WG_TIMELINE build the one launched?)")
@@ -93,7 +99,9 @@ def summarize(rec: np.ndarray, nsb: np.ndarray) -> dict:
         "stage0": dur["STAGE0"] - dur["WEIGHTS0"],
         "sb0": dur["SB0"] - dur["STAGE0"],
         "per_sb": np.where(nsb > 1, (dur["LOOP"] - dur["SB0"]) / np.maximum(nsb - 1, 1), 0.0),
-        "epilogue": dur["EXIT"] - dur["LOOP"],
+        "epi_wait": dur["EPI_SYNC"] - dur["LOOP"],
+        "epi_sum": dur["EPI_SUM"] - dur["EPI_SYNC"],
+        "epilogue": dur["EXIT"] - dur["EPI_SUM"],
     }
     sm = rec[:, SMID].astype(np.int64)
     per_sm = np.bincount(sm)

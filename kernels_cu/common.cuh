@@ -42,10 +42,45 @@ typedef unsigned long long u64;
 // batched step it cost 5-7% (not profiled; presumably the successor's waiting blocks get in the
 // way of kernels bound by issue rather than by bandwidth). Without the attribute (eager launches)
 // and below sm_90 both instructions do nothing.
+//
+// KERNEL_TIMELINE (a diagnostic define, 0 in production; dev/graph_timeline.py): thread 0 of
+// block (0, 0, 0) of every kernel stamps %globaltimer once its wait returns (the predecessor
+// done) into the buffer the host bound to this module's ggp_tl_buf (engine.gpu.kernels
+// timeline_buffer): word 0 counts the stamps, words 1 + 2 i and 2 + 2 i hold the i-th (ns, the
+// launch's grid / block signature). In a captured chain the i-th stamp is the i-th launch's
+// start, so the differences are each kernel's share of the graph's time as it runs, PDL overlap
+// included, which the profiler's serialized durations are not.
+#ifndef KERNEL_TIMELINE
+#define KERNEL_TIMELINE 0
+#endif
+#if KERNEL_TIMELINE && !defined(GGP_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KERNEL_TL_CAP 65536
+__device__ unsigned long long* ggp_tl_buf;
+__device__ __forceinline__ void kernel_tl_stamp() {
+    if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) != 0 || ggp_tl_buf == nullptr)
+        return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    const unsigned long long sig = (gridDim.x & 0xFFFFFull) | (unsigned long long)(gridDim.y & 0xFFFu) << 20 |
+                                   (unsigned long long)(gridDim.z & 0xFFu) << 32 |
+                                   (unsigned long long)(blockDim.x & 0x7FFu) << 40;
+    const unsigned long long i = atomicAdd(ggp_tl_buf, 1ull);
+    if (i < KERNEL_TL_CAP) {
+        ggp_tl_buf[1 + 2 * i] = t;
+        ggp_tl_buf[2 + 2 * i] = sig;
+    }
+}
+#else
+#define kernel_tl_stamp() ((void)0)
+#endif
 #if !defined(GGP_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void pdl_entry() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_entry() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    kernel_tl_stamp();
+}
 __device__ __forceinline__ void pdl_entry_trigger() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    kernel_tl_stamp();
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 #elif !defined(GGP_EMU)

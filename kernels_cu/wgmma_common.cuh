@@ -57,7 +57,9 @@
 // WG_TIMELINE (a diagnostic define, 0 in production): thread 0 of each block records the GEMM's
 // phases into wg_timeline[linear block id][WG_TL_SLOTS], read back by dev/wg_timeline.py: entry,
 // after the PDL wait, stages issued, the first super-block's weights in use, its stage 0 landed,
-// the first super-block done, the K loop done (after the last wgmma), exit. Each phase is stamped
+// the first super-block done, the K loop done (after the last wgmma), with a K split (KP > 1) the
+// partial tiles visible (after the first cluster barrier) and this part's sums stored, exit (the
+// host fills the two K-split phases of an unsplit GEMM with its loop's end). Each phase is stamped
 // twice: %globaltimer (ns, one clock for all SMs: the blocks side by side) in slot phase, and
 // clock64 (the SM's cycles, exact: the phases of one block) in slot WG_TL_PHASES + phase; then
 // %smid. A stamp that follows a value branches on it first (wg_tl_after), so it cannot be taken
@@ -67,9 +69,9 @@
 #endif
 #if WG_TIMELINE
 #define WG_TL_BLOCKS 8192
-#define WG_TL_SLOTS 20
-enum { WG_TL_ENTRY, WG_TL_PDL, WG_TL_ISSUED, WG_TL_WEIGHTS0, WG_TL_STAGE0, WG_TL_SB0, WG_TL_LOOP, WG_TL_EXIT,
-       WG_TL_PHASES };
+#define WG_TL_SLOTS 24
+enum { WG_TL_ENTRY, WG_TL_PDL, WG_TL_ISSUED, WG_TL_WEIGHTS0, WG_TL_STAGE0, WG_TL_SB0, WG_TL_LOOP, WG_TL_EPI_SYNC,
+       WG_TL_EPI_SUM, WG_TL_EXIT, WG_TL_PHASES };
 #define WG_TL_SMID (2 * WG_TL_PHASES)
 __device__ unsigned long long wg_timeline[WG_TL_BLOCKS * WG_TL_SLOTS];
 __device__ __forceinline__ void wg_tl(int slot) {
@@ -377,6 +379,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
 #pragma unroll
             for (int i = 0; i < Tile::NACC; ++i) part[(h * Tile::NACC + i) * WG_THREADS + threadIdx.x] = acc[h][i];
         cluster_sync();                                // every part's tile written and visible
+        wg_tl(WG_TL_EPI_SYNC);
         const u32 rank = cluster_rank();
         if constexpr (SWIGLU || ROPE) {
             pair_store([&](int h, int i, int e, float& vg, float& vu) {     // pair summed by part `pair` % KP
@@ -401,6 +404,7 @@ __device__ __forceinline__ void wgmma_gemm(const u8* __restrict__ W, const u8* _
                 return true;
             });
         }
+        wg_tl(WG_TL_EPI_SUM);
         cluster_sync();                                // no block leaves while its tile is read
     }
     wg_tl(WG_TL_EXIT);

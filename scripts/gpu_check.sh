@@ -10,7 +10,7 @@
 #   GPU_REQUIRE=H200 runs nothing on a card whose name lacks it.
 #   STEPS="tests bench" (default) selects sections (also: perf, sweep, ncu, prefill, decode, small, load,
 #   llama, batched, splits, profile, ab, hopper, hopper_defs, hopper_pp, attn, synth, defines,
-#   timeline); add a section by writing a function
+#   timeline, graph_timeline); add a section by writing a function
 #   step_<name> below and naming it in STEPS (e.g. STEPS="tests bench model").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -336,6 +336,22 @@ step_hopper_pp() {
 step_splits() {
   python3 -m dev.split_sweep --tokens "${SPLIT_TOKENS:-16,32,64}" --json "$OUT/split_sweep.json" 2>&1 | tee "$OUT/split_sweep.log"
   return "${PIPESTATUS[0]}"
+}
+
+# Each kernel's share of a graph as it runs (dev/graph_timeline, the KERNEL_TIMELINE build): for
+# each synthetic shape of GT_SHAPES (llama2-7b) the pp GT_TOKENS (32) forward graph and the decode
+# step at depth GT_DEPTH (256), GT_REPLAYS (20) back-to-back replays each; GT_MODES (pp tg).
+step_graph_timeline() {
+  local shape mode rc=0
+  for shape in ${GT_SHAPES:-llama2-7b}; do
+    synth_wait "$shape" || { echo "synth $shape failed"; rc=1; continue; }
+    for mode in ${GT_MODES:-pp tg}; do
+      timeout 300 python3 -m dev.graph_timeline "/tmp/$shape.gguf" --mode "$mode" --tokens "${GT_TOKENS:-32}" \
+          --depth "${GT_DEPTH:-256}" --replays "${GT_REPLAYS:-20}" --json "$OUT/graph_tl_${shape}_$mode.json" \
+          2>&1 | grep -v "^loading" | tail -30 || rc=1
+    done
+  done
+  return $rc
 }
 
 # Kernel time of a batched decode step (PROFILE_NPL slots at depth PROFILE_DEPTH (256),

@@ -251,14 +251,16 @@ def _assert_same_bits(got, want):
     (64, 3584, 64, 8),         # 14 super-blocks in 8 parts: 1 or 2 each (4 / 8 stages)
     (17, 9216, 32, 8),         # 36 super-blocks in 8 parts of 4 / 5 (16 / 20 stages)
 ])
-def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp):
+@pytest.mark.parametrize("deep", [8, 12, 16])
+def test_wgmma_deep_ring_equals_four_stages(rng, T, K, bt, kp, deep):
     """With 8 activation buffers (registry.wgmma_stages: production for token tiles <= 64)
-    wgmma_gemm refills a super-block's 4 buffers after one block barrier (RB = 4). Each launcher
+    wgmma_gemm refills a super-block's 4 buffers after one block barrier (RB = 4); 12 and 16
+    (registry.WGMMA_DEEP_STAGES, the A/B forms) run 2 and 3 super-blocks ahead. Each launcher
     (q4_K, q6_K in both layouts, the pair, the SwiGLU epilogue) gives the same bits as with the
     4-buffer ring (WG_SMALL_STAGES=4, the A/B form)."""
     _sm90()
     outputs = _launcher_outputs(rng, T, K)
-    _assert_same_bits(outputs(bt=bt, stages=8, kp=kp), outputs(bt=bt, stages=4, kp=kp))
+    _assert_same_bits(outputs(bt=bt, stages=deep, kp=kp), outputs(bt=bt, stages=4, kp=kp))
 
 
 @pytest.mark.parametrize("T,F,K,bt,kp", [

@@ -24,12 +24,18 @@ def test_block_super_blocks_kp3():
     assert tl.block_super_blocks(3, (1, 3, 1), 4096).tolist() == [16, 16, 16]
 
 
-def _record(stamps_us, sm, ghz=1.98, clk0=5_000_000):
-    """One block's row: the 8 phase times (us) as %globaltimer ns and as clock64 at `ghz`."""
+def _record(stamps_us, sm, epi_us=None, ghz=1.98, clk0=5_000_000):
+    """One block's row: entry .. loop and exit (8 times, us), with a K split also the two epilogue
+    phases (epi_us), as %globaltimer ns and as clock64 at `ghz`; unsplit, those slots stay 0."""
+    names = ["ENTRY", "PDL", "ISSUED", "WEIGHTS0", "STAGE0", "SB0", "LOOP", "EXIT"]
+    times = list(stamps_us)
+    if epi_us is not None:
+        names[7:7] = ["EPI_SYNC", "EPI_SUM"]
+        times[7:7] = list(epi_us)
     row = np.zeros(tl.SLOTS, dtype=np.uint64)
-    for p, us in enumerate(stamps_us):
-        row[p] = 10**12 + int(round(us * 1e3))
-        row[tl.NPH + p] = clk0 + int(round((us - stamps_us[0]) * 1e3 * ghz))
+    for name, us in zip(names, times):
+        row[tl.S[name]] = 10**12 + int(round(us * 1e3))
+        row[tl.NPH + tl.S[name]] = clk0 + int(round((us - times[0]) * 1e3 * ghz))
     row[tl.SMID] = sm
     return row
 
@@ -54,8 +60,22 @@ def test_summarize_known_record():
     lb = s["last_block"]
     assert lb["id"] == 3 and lb["sm"] == 1 and lb["resident"] == 1 and lb["super_blocks"] == 1
     assert lb["epilogue"] == pytest.approx(0.2, abs=1e-3)
+    assert s["phases_us"]["epi_wait"]["max"] == 0 and s["phases_us"]["epi_sum"]["max"] == 0
     text = tl.format_summary("q4_k 22016x4096 T=32 auto", s, ms=0.0305)
     assert "span 25.2 us" in text and "2: 1.000 us" in text and "refill_gap" in text
+
+
+def test_summarize_k_split_epilogue():
+    # two parts of a cluster: the first waits 1.5 us at the barrier for the second
+    rec = np.stack([
+        _record((0.0, 0.5, 0.6, 1.5, 2.0, 3.0, 6.0, 9.0), sm=0, epi_us=(7.5, 8.5)),
+        _record((0.0, 0.5, 0.6, 1.6, 2.1, 3.5, 7.4, 9.0), sm=1, epi_us=(7.5, 8.6)),
+    ])
+    s = tl.summarize(rec, np.array([4, 4]))
+    assert s["phases_us"]["epi_wait"]["max"] == pytest.approx(1.5, abs=1e-3)
+    assert s["phases_us"]["epi_wait"]["min"] == pytest.approx(0.1, abs=1e-3)
+    assert s["phases_us"]["epi_sum"]["median"] == pytest.approx(1.05, abs=1e-3)
+    assert s["phases_us"]["epilogue"]["max"] == pytest.approx(0.5, abs=1e-3)
 
 
 def test_summarize_rejects_missing_or_unordered():
@@ -81,7 +101,7 @@ def test_timeline_build_stamps_and_production_does_not(monkeypatch):
     assert "globaltimer" not in prod and "wg_timeline" not in prod
     monkeypatch.setenv(kernels.DEFINES_ENV, "WG_TIMELINE=1")
     diag, _ = ptx("wgmma_q4_k.cu", inst)
-    assert diag.count("%globaltimer") == 8 and diag.count("%clock64") == 8 and ".global .align 8 .b8 wg_timeline" in diag
+    assert diag.count("%globaltimer") == 10 and diag.count("%clock64") == 10 and ".global .align 8 .b8 wg_timeline" in diag
 
 
 def test_deep_stages_accepted_and_compile():

@@ -237,13 +237,40 @@ def get_module(fname: str, instance: str | None = None):
         if fname in SM90A_FILES:
             mod, lowered = _sm90a_module(fname, names)
             _lowered.update({(dev, fname, n): sym for n, sym in lowered.items()})
-            _modules[key] = mod
-            return mod
-        mod = cupy.RawModule(code=source(fname), options=OPTIONS + file_defines(fname),
-                             name_expressions=names or None)
-        mod.compile()
+        else:
+            mod = cupy.RawModule(code=source(fname), options=OPTIONS + file_defines(fname),
+                                 name_expressions=names or None)
+            mod.compile()
+        _bind_timeline(mod)
         _modules[key] = mod
     return mod
+
+
+TIMELINE_CAP = 65536     # common.cuh KERNEL_TL_CAP: stamps the buffer holds
+_timeline: dict[int, object] = {}
+
+
+def timeline_buffer():
+    """KERNEL_TIMELINE builds (a diagnostic define; dev/graph_timeline.py): this device's stamp
+    buffer, uint64 [1 + 2 TIMELINE_CAP], that every module's ggp_tl_buf points at: word 0 counts
+    the stamps, words 1 + 2 i and 2 + 2 i hold the i-th (%globaltimer ns, grid / block signature:
+    common.cuh kernel_tl_stamp). Zero word 0 to start a record."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    if dev not in _timeline:
+        _timeline[dev] = cupy.zeros(1 + 2 * TIMELINE_CAP, dtype=cupy.uint64)
+    return _timeline[dev]
+
+
+def _bind_timeline(mod) -> None:
+    """Point a KERNEL_TIMELINE module's ggp_tl_buf at timeline_buffer() (nothing otherwise)."""
+    if not define_value("KERNEL_TIMELINE", 0):
+        return
+    import cupy
+
+    ptr = cupy.ndarray((1,), dtype=cupy.uint64, memptr=mod.get_global("ggp_tl_buf"))
+    ptr[0] = timeline_buffer().data.ptr
 
 
 def get_kernel(fname: str, name: str, dynamic_smem: int = 0) -> Kernel:

@@ -37,7 +37,10 @@ class _Config(ctypes.Structure):         # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
 
 
-_state = {"active": False, "driver": None}
+_state = {"active": False, "driver": None, "log": None}
+# (kernel name, grid, block) of each of our launches recorded by the latest capture_graph, in
+# order: what the KERNEL_TIMELINE stamps of a replay are matched to (dev/graph_timeline.py)
+captured_launches: list[tuple[str, tuple[int, int, int], tuple[int, int, int]]] = []
 
 
 def _dims(d) -> tuple[int, int, int]:
@@ -112,6 +115,8 @@ class Kernel:
         setattr(self.raw, name, value)
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        if _state["log"] is not None:
+            _state["log"].append((self.raw.name, _dims(grid), _dims(block)))
         if _state["active"]:
             launch_programmatic(self.raw, grid, block, args, shared_mem)
         else:
@@ -144,13 +149,17 @@ def programmatic_launches():
 def capture_graph(stream, enqueue):
     """Record enqueue() on `stream` into a CUDA graph (programmatic launches where enabled),
     upload it and wait for the upload; returns the cupy Graph."""
+    log: list = []
     with stream:
         stream.begin_capture()
+        prev, _state["log"] = _state["log"], log
         try:
             with programmatic_launches():
                 enqueue()
         finally:
+            _state["log"] = prev
             graph = stream.end_capture()
+    captured_launches[:] = log
     graph.upload(stream)
     stream.synchronize()
     return graph
