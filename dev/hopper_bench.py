@@ -4,7 +4,8 @@
                                [--reps 20] [--json OUT] [--wgmma-only] [--pairs 8192+4096x4096,..]
 
 Per q4_K / q6_K shape and T: graph timing as dev.gemm_bench (back-to-back launches over weight copies
-that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES[kKP] ("auto": registry.wgmma_config; kKP: K in KP parts), its activation
+that exceed the L2 4x): wgmma_q4k / wgmma_q6k per config BTxSTAGES[kKP|sk] ("auto": registry.wgmma_config; kKP: K in KP
+parts; sk: the stream-K form, kernels_cu/wgmma_streamk.cuh), its activation
 tiling (a stand-in for the producer that will write f16 directly), the production MMQ variant (choose_variant) plus its
 q8_1 quantization, and cupy.matmul on f16 weights (cuBLAS, launched from the host: it refuses capture). Each wgmma output is checked on 16
 sampled rows against engine.reference.wgmma (stated bound). Ratios are same-run: cuBLAS ms / ms; GB/s:
@@ -28,9 +29,15 @@ SHAPES = [("q4_k", 4096, 4096), ("q4_k", 11008, 4096), ("q4_k", 4096, 11008),
 
 
 def parse_config(cfg: str) -> tuple[int | None, int | None, int | None]:
-    """"128x4" -> (128, 4, 1); "32x4k4" -> (32, 4, 4); "auto" -> (None, None, None): the production choice."""
+    """"128x4" -> (128, 4, 1); "32x4k4" -> (32, 4, 4); "32x8sk" -> (32, 8, STREAMK), the stream-K
+    form; "auto" -> (None, None, None): the production choice."""
+    from engine.gpu.registry import STREAMK
+
     if cfg == "auto":
         return None, None, None
+    if cfg.endswith("sk"):
+        bt, st = (int(v) for v in cfg[:-2].split("x"))
+        return bt, st, STREAMK
     head, _, kp = cfg.partition("k")
     bt, st = (int(v) for v in head.split("x"))
     return bt, st, int(kp or 1)

@@ -181,6 +181,8 @@ def run(shapes, tokens, configs, swiglu: bool = False, reps: int = 10, seed: int
             out = W.tiled_buffer(T, N // 2) if swiglu else cp.empty((T, N), dtype=cp.float32)
             for cfg in configs:
                 bt, st, kp = parse_config(cfg)
+                if kp == W.STREAMK:
+                    raise SystemExit(f"{cfg}: the stream-K form has no timeline stamps")
                 bt, st, kp, _ = W._config("wg_timeline", T, N, K, bt, st, kp)
                 if swiglu:
                     fname, inst = W.FILE, registry.wgmma_swiglu_instance(bt, st, kp)

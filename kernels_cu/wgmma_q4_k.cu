@@ -15,6 +15,7 @@
 #include "f16x2.cuh"
 #ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
+#include "wgmma_streamk.cuh"
 #endif
 
 #define H2_1_16 0x2C002C00u            // (1/16, 1/16)
@@ -128,6 +129,22 @@ __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N,
                      int K) {
     wgmma_gemm<WgQ4K, BT, STAGES, KP, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, wg_block_tiles().row);
+}
+
+// Stream-K (wgmma_streamk.cuh, an A/B form): a 1-D grid of G blocks sharing the tiles'
+// super-blocks; plain and with the SwiGLU epilogue.
+template <int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+wgmma_q4_k_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K,
+              float* __restrict__ part, int* __restrict__ flags) {
+    wgmma_gemm_sk<WgQ4K, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags);
+}
+
+template <int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+wgmma_q4_k_swiglu_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N, int K,
+                     float* __restrict__ part, int* __restrict__ flags) {
+    wgmma_gemm_sk<WgQ4K, BT, STAGES, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, part, flags);
 }
 
 // The q|k|v GEMM with bias + RoPE + the K/V cache append fused (wgmma_common.cuh ROPE; ubatches

@@ -25,6 +25,7 @@
 #include "f16x2.cuh"
 #ifndef GGP_EMU                      // the CPU emulator takes the policy alone (tests/test_wgmma_reference.py)
 #include "wgmma_common.cuh"
+#include "wgmma_streamk.cuh"
 #endif
 
 #define H2_M1056 0xE420E420u           // (-1056, -1056)
@@ -160,5 +161,13 @@ template <bool PADDED, int BT, int STAGES, int KP>
 __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q6_k_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K) {
     wgmma_gemm<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, KP>(W, Xt, Y, T, N, K, wg_block_tiles().row);
+}
+
+// Stream-K (wgmma_streamk.cuh, an A/B form): a 1-D grid of G blocks sharing the tiles' super-blocks.
+template <bool PADDED, int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+wgmma_q6_k_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K,
+              float* __restrict__ part, int* __restrict__ flags) {
+    wgmma_gemm_sk<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags);
 }
 #endif

@@ -363,3 +363,67 @@ def test_wgmma_qkv_rope_equals_gemm_then_qkv_rope(rng, layout, T, H, KVH, hd, ro
     want, got = run(False), run(True)
     for name, w, g in zip(("qout", "kc", "vc"), want, got):
         assert np.array_equal(w, g), f"{name}: {int(np.sum(w != g))} of {w.size} f16 words differ"
+
+
+# The stream-K form (kernels_cu/wgmma_streamk.cuh, an A/B): (T, N, K, bt) and what the deal makes of it.
+STREAMK_CASES = [
+    (32, 1024, 4096, 32),      # 8 tiles x 16 super-blocks = 128 units, 128 blocks: each owner waits for 15
+    (32, 22016, 4096, 32),     # llama2-7b's gate|up: 172 tiles over the whole GPU
+    (20, 4096, 11008, 32),     # ragged tokens, 43 super-blocks a tile
+    (100, 512, 2048, 32),      # four token tiles, the last ragged
+    (64, 384, 3584, 64),       # 64-token tiles, 14 super-blocks
+    (7, 128, 256, 32),         # one unit, one block
+]
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k padded", "q6_k raw"])
+@pytest.mark.parametrize("T,N,K,bt", STREAMK_CASES)
+def test_wgmma_streamk_vs_oracle(rng, kind, T, N, K, bt):
+    """Every output of the stream-K form within the oracle's bound (every tile written once, by
+    its owner, with every partial added), and a rerun gives the same bits (partials added in
+    block order, the arrival flags left zero for the next launch)."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu.ops.wgmma import STREAMK, wgmma_q4k, wgmma_q6k
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.weights import upload_weight
+
+    fmt = kind.split()[0]
+    w = random_blocks(rng, fmt, N, K, special=True)
+    wd = upload_weight(w, fmt.upper(), **({} if fmt == "q4_k" else {"pad_q6k": kind.endswith("padded")}))
+    gemm, w16 = (wgmma_q4k, dequant_q4_k_f16(w)) if fmt == "q4_k" else (wgmma_q6k, dequant_q6_k_f16(w))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xt = gpu_tile(cp.asarray(x))
+    y = _run_poisoned(gemm, wd, xt, T, N, bt=bt, kp=STREAMK)
+    _check_vs_oracle(f"wgmma streamk {kind}", y, w16, x, T=T, N=N, K=K, bt=bt)
+    y2 = _run_poisoned(gemm, wd, xt, T, N, bt=bt, kp=STREAMK)
+    assert np.array_equal(y.view(np.uint32), y2.view(np.uint32))
+
+
+@pytest.mark.parametrize("T,F,K,bt", [(32, 11008, 4096, 32), (20, 512, 2816, 32), (64, 256, 4096, 64)])
+def test_wgmma_streamk_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt):
+    """The stream-K SwiGLU epilogue == the stream-K q4_K GEMM then activation.swiglu_x16, bit for
+    bit, where the two kernels get the same grid (the same occupancy: the same deal)."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu import kernels, launch, registry
+    from engine.gpu.ops.activation import swiglu_x16
+    from engine.gpu.ops.wgmma import FILE, STREAMK, THREADS, smem_bytes, tiled_buffer, wgmma_q4k, wgmma_swiglu
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.weights import upload_weight
+
+    smem = smem_bytes(bt, registry.wgmma_stages(bt))
+    occ = [launch.occupancy(kernels.get_kernel(FILE, name(bt, None, STREAMK), dynamic_smem=smem), THREADS, smem)
+           for name in (registry.wgmma_instance, registry.wgmma_swiglu_instance)]
+    if occ[0] != occ[1]:
+        pytest.skip(f"the two stream-K kernels hold {occ} blocks an SM: different deals")
+    wd = upload_weight(random_blocks(rng, "q4_k", 2 * F, K, special=True), "Q4_K")
+    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
+    gu = cp.asarray(_run_poisoned(wgmma_q4k, wd, xt, T, 2 * F, bt=bt, kp=STREAMK))
+    want = tiled_buffer(T, F)
+    swiglu_x16(gu, gu[:, F:], 2 * F, F, want, T)
+    got = tiled_buffer(T, F)
+    wgmma_swiglu(wd, xt, T, out=got, bt=bt, kp=STREAMK)
+    assert np.array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))

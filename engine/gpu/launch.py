@@ -79,6 +79,19 @@ def _driver():
     return _state["driver"]
 
 
+def occupancy(kernel, threads: int, shared_mem: int = 0) -> int:
+    """Blocks of `threads` threads with `shared_mem` dynamic bytes that one SM holds at once
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor) for a Kernel or cupy.RawKernel."""
+    raw = getattr(kernel, "raw", kernel)
+    lib = _driver()
+    n = ctypes.c_int()
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(raw.kernel.ptr),
+                                                         ctypes.c_int(threads), ctypes.c_size_t(shared_mem))
+    if rc:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor({raw.name}): error {rc}")
+    return int(n.value)
+
+
 def launch_programmatic(raw, grid, block, args, shared_mem: int = 0) -> None:
     """cuLaunchKernelEx of a cupy.RawKernel on the current stream, allowed to overlap the
     previous kernel of the stream (the kernel must begin with pdl_entry())."""

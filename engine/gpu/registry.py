@@ -240,8 +240,20 @@ def wgmma_config(T: int, N: int, K: int) -> tuple[int, int]:
 WGMMA_DEEP_STAGES = (12, 16)
 
 
+# kp = STREAMK names the stream-K form of a GEMM (kernels_cu/wgmma_streamk.cuh, an A/B: a 1-D grid
+# sharing the tiles' super-blocks; token tiles <= 64), `kernel_sk<lead bt, stages>`, which these
+# kernels have.
+STREAMK = -1
+WGMMA_STREAMK_KERNELS = ("wgmma_q4_k", "wgmma_q4_k_swiglu", "wgmma_q6_k")
+
+
 def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:
     stages_ok = 3 <= stages <= 8 or (stages in WGMMA_DEEP_STAGES and bt <= 64)
+    if kp == STREAMK:
+        if kernel not in WGMMA_STREAMK_KERNELS or bt > 64:
+            raise ValueError(f"{kernel}: no stream-K form at BT={bt} (only {', '.join(WGMMA_STREAMK_KERNELS)}, "
+                             f"BT <= 64)")
+        kp = 1
     if bt not in WGMMA_BTS or not stages_ok or not 1 <= kp <= 8:
         raise ValueError(f"{kernel}: BT={bt} ({', '.join(map(str, WGMMA_BTS))}), STAGES={stages} (3..8; "
                          f"{' or '.join(map(str, WGMMA_DEEP_STAGES))} at BT <= 64), KP={kp} (1..8) not supported")
@@ -253,10 +265,13 @@ def wgmma_stages(bt: int) -> int:
 
 
 def _wgmma_name(kernel: str, lead: str, bt: int, stages: int | None, kp: int) -> str:
-    """`kernel<lead bt, stages>`, or its K-split twin `kernel_kp<lead bt, stages, kp>` (stages
-    None: the production count, wgmma_stages)."""
+    """`kernel<lead bt, stages>`, or its K-split twin `kernel_kp<lead bt, stages, kp>`, or with kp =
+    STREAMK its stream-K form `kernel_sk<lead bt, stages>` (stages None: the production count,
+    wgmma_stages)."""
     stages = stages or wgmma_stages(bt)
     _check_wgmma_config(kernel, bt, stages, kp)
+    if kp == STREAMK:
+        return f"{kernel}_sk<{lead}{bt}, {stages}>"
     return f"{kernel}<{lead}{bt}, {stages}>" if kp == 1 else f"{kernel}_kp<{lead}{bt}, {stages}, {kp}>"
 
 

@@ -12,7 +12,10 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
 Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts),
 256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
 mbarriers) in dynamic shared memory; kp > 1: clusters of the kp blocks of one output tile (the
-*_kp instances).
+*_kp instances). kp = STREAMK (wgmma_q4k, wgmma_q6k, wgmma_swiglu; bt <= 64): the stream-K form
+(kernels_cu/wgmma_streamk.cuh, an A/B), a 1-D grid of as many blocks as the GPU holds at once
+sharing every tile's super-blocks, with a partial-tile workspace (streamk_workspace); the define
+WG_STREAMK=1 makes it the choice of those three at bt <= 64 where the caller leaves bt and kp.
 bt, stages, kp default to the production choice (registry.wgmma_config, wgmma_stages).
 """
 from __future__ import annotations
@@ -21,8 +24,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.gpu import kernels, registry
-from engine.gpu.ops._util import check_dev, ptr
+from engine.gpu import kernels, launch, registry
+from engine.gpu.ops._util import check_dev, ptr, sm_count
+from engine.gpu.registry import STREAMK
 from engine.gpu.weights import GGML_Q4_K, GGML_Q6_K, DeviceWeight
 
 FILE = "wgmma_q4_k.cu"
@@ -81,17 +85,82 @@ def default_stages(bt: int) -> int:
     return kernels.define_value("WG_SMALL_STAGES", stages) if bt <= 64 else stages
 
 
-def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
+def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None,
+            streamk_ok: bool = False):
     """(bt, stages, kp, dynamic shared bytes) of a launch over N rows: the production choice
-    (registry.wgmma_config) where bt is None; a given bt runs unsplit unless kp says."""
+    (registry.wgmma_config) where bt is None (with streamk_ok and the define WG_STREAMK=1, the
+    stream-K form at bt <= 64 where kp is None too); a given bt runs unsplit unless kp says."""
     if bt is None:
         bt, auto_kp = registry.wgmma_config(T, N, K)
+        if kp is None and streamk_ok and bt <= 64 and kernels.define_value("WG_STREAMK", 0):
+            kp = STREAMK
         kp = kp or auto_kp
     kp = kp or 1
     stages = stages or default_stages(bt)
-    if kp > K // 256:
+    if kp != STREAMK and kp > K // 256:
         raise ValueError(f"{op}: {kp} K-parts of {K // 256} super-blocks (at most one part per super-block)")
-    return bt, stages, kp, smem_bytes(bt, stages, kp)
+    return bt, stages, kp, smem_bytes(bt, stages, 1 if kp == STREAMK else kp)
+
+
+# ----------------------------------------------------------------------------- stream-K (an A/B)
+
+_sk_work: dict[int, list] = {}          # device -> [part float32, flags int32]
+_sk_occupancy: dict[tuple[str, int], int] = {}
+
+
+def streamk_grid(units: int, per_sm: int, n_sm: int) -> int:
+    """Blocks of a stream-K launch: every one resident at once (an owner waits for later blocks,
+    wgmma_streamk.cuh), at most one a unit."""
+    if per_sm < 1:
+        raise ValueError("stream-K: the kernel does not fit an SM")
+    return max(1, min(units, per_sm * n_sm))
+
+
+def streamk_segments(units: int, blocks: int, nsb: int) -> list[list[tuple[int, int, int]]]:
+    """The kernel's deal (wgmma_streamk.cuh), for tests and plans: per block its segments (tile,
+    first super-block, end), block b taking units b U / G .. (b + 1) U / G - 1."""
+    out = []
+    for b in range(blocks):
+        u, u1 = b * units // blocks, (b + 1) * units // blocks
+        segs = []
+        while u < u1:
+            q, sa = divmod(u, nsb)
+            sb_end = min(nsb, sa + (u1 - u))
+            segs.append((q, sa, sb_end))
+            u += sb_end - sa
+        out.append(segs)
+    return out
+
+
+def streamk_block_of(u: int, units: int, blocks: int) -> int:
+    """wgmma_streamk.cuh wg_sk_block_of: the block holding unit u."""
+    return ((u + 1) * blocks - 1) // units
+
+
+def streamk_workspace(blocks: int, bt: int, tiles: int):
+    """(part, flags) of a stream-K launch: float32 [blocks, bt / 2, 256] partial tiles and int32
+    [tiles] arrival counts, zero (the owners leave them zero). One per device, so stream-K GEMMs
+    run on one stream at a time (the A/B's benches and tests do); grown only, on the current
+    stream: the first launch of a size must be an eager one, before a graph captures it."""
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    work = _sk_work.setdefault(dev, [cp.zeros(0, dtype=cp.float32), cp.zeros(0, dtype=cp.int32)])
+    if work[0].size < blocks * bt * 128:
+        work[0] = cp.zeros(blocks * bt * 128, dtype=cp.float32)
+    if work[1].size < tiles:
+        work[1] = cp.zeros(tiles, dtype=cp.int32)
+    return work[0], work[1]
+
+
+def _launch_streamk(k, name: str, bt: int, T: int, N: int, K: int, smem: int, args: tuple) -> None:
+    key = (name, smem)
+    if key not in _sk_occupancy:
+        _sk_occupancy[key] = launch.occupancy(k, THREADS, smem)
+    tiles = -(-T // bt) * (N // ROWS)
+    G = streamk_grid(tiles * (K // 256), _sk_occupancy[key], sm_count())
+    part, flags = streamk_workspace(G, bt, tiles)
+    k((G,), (THREADS,), args + (part, flags), shared_mem=smem)
 
 
 def _out(label: str, weight: DeviceWeight, T: int, out):
@@ -117,10 +186,14 @@ def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weigh
     check_dev(xt, np.float16, tiled_shape(T, K), f"{op} activations")
     if T == 0:
         return out
-    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp)
-    k = kernels.get_kernel(fname, instance(bt, stages, kp), dynamic_smem=smem)
-    k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
-      shared_mem=smem)
+    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp, streamk_ok=True)
+    name = instance(bt, stages, kp)
+    k = kernels.get_kernel(fname, name, dynamic_smem=smem)
+    args = (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K))
+    if kp == STREAMK:
+        _launch_streamk(k, name, bt, T, N, K, smem, args)
+    else:
+        k((-(-T // bt), N // ROWS, kp), (THREADS,), args, shared_mem=smem)
     return out
 
 
@@ -196,10 +269,14 @@ def wgmma_swiglu(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = No
     check_dev(out, np.float16, tiled_shape(T, F), "wgmma_swiglu out")
     if T == 0:
         return out
-    bt, stages, kp, smem = _config("wgmma_swiglu", T, N, K, bt, stages, kp)
-    k = kernels.get_kernel(FILE, registry.wgmma_swiglu_instance(bt, stages, kp), dynamic_smem=smem)
-    k((-(-T // bt), N // ROWS, kp), (THREADS,), (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)),
-      shared_mem=smem)
+    bt, stages, kp, smem = _config("wgmma_swiglu", T, N, K, bt, stages, kp, streamk_ok=True)
+    name = registry.wgmma_swiglu_instance(bt, stages, kp)
+    k = kernels.get_kernel(FILE, name, dynamic_smem=smem)
+    args = (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K))
+    if kp == STREAMK:
+        _launch_streamk(k, name, bt, T, N, K, smem, args)
+    else:
+        k((-(-T // bt), N // ROWS, kp), (THREADS,), args, shared_mem=smem)
     return out
 
 
