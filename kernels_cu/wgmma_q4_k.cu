@@ -134,14 +134,14 @@ wgmma_q4_k_swiglu_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* _
 // Stream-K (wgmma_streamk.cuh, an A/B form): a 1-D grid of G blocks sharing the tiles'
 // super-blocks; plain and with the SwiGLU epilogue.
 template <int BT, int STAGES>
-__global__ void __launch_bounds__(WG_THREADS, 1)
+__global__ void __launch_bounds__(WG_THREADS, WG_SK_MIN_BLOCKS(BT))
 wgmma_q4_k_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K,
               float* __restrict__ part, int* __restrict__ flags) {
     wgmma_gemm_sk<WgQ4K, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags);
 }
 
 template <int BT, int STAGES>
-__global__ void __launch_bounds__(WG_THREADS, 1)
+__global__ void __launch_bounds__(WG_THREADS, WG_SK_MIN_BLOCKS(BT))
 wgmma_q4_k_swiglu_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N, int K,
                      float* __restrict__ part, int* __restrict__ flags) {
     wgmma_gemm_sk<WgQ4K, BT, STAGES, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, part, flags);

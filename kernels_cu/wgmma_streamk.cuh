@@ -27,13 +27,23 @@
 #pragma once
 #include "wgmma_common.cuh"
 
+// WG_SK_PREFETCH (1; 0 the control): a segment's last super-block loads the next segment's first
+// weights (q4_K: formats without per-stage loads), so only a block's first segment waits for DRAM.
+#ifndef WG_SK_PREFETCH
+#define WG_SK_PREFETCH 1
+#endif
+// Two blocks an SM at 32-token tiles (at most 128 registers: the deal's G is what the SMs hold).
+#define WG_SK_MIN_BLOCKS(BT) ((BT) <= 32 ? 2 : 1)
+
 // wgmma_gemm's K loop over super-blocks sb0 .. sb1 - 1 of rows r0, r1 (cur, st: lane t's first
 // registers, loaded; the mbarriers initialized and no copy in flight): acc zeroed, then summed.
+// With next0 (WG_SK_PREFETCH, formats without per-stage loads): the last super-block loads
+// super-block 0 of rows next0, next1 (the block's next segment) and leaves it in cur.
 template <class WT, int BT, int STAGES, int NSLOT>
 __device__ __forceinline__ void wg_sk_kloop(float (&acc)[WgTile<BT>::NH][WgTile<BT>::NACC], typename WT::Sb& cur,
                                             typename WT::St (&st)[NSLOT], const u8* r0, const u8* r1, int sb0,
                                             int sb1, const u8* src0, size_t src_step, u32 copy_bytes, u32 s0,
-                                            u32 bars, u64 desc0, int t) {
+                                            u32 bars, u64 desc0, int t, const u8* next0, const u8* next1) {
     typedef WgTile<BT> Tile;
     constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
     constexpr int RB = STAGES >= 8 ? 4 : 1;
@@ -51,6 +61,7 @@ __device__ __forceinline__ void wg_sk_kloop(float (&acc)[WgTile<BT>::NH][WgTile<
     u32 a[4][4];
     for (int sb = sb0; sb < sb1; ++sb) {
         if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
+        else if (next0 != nullptr) WT::load(nxt, next0, next1, 0, t);
         WT::scales(sc, cur, t);
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
@@ -127,17 +138,27 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
     const size_t src_step = (size_t)ngroups * 1024;
     const int nsb = K / 256, U = ntok * (N / WG_ROWS) * nsb, G = gridDim.x, b = blockIdx.x;
     const int u1 = (int)((long long)(b + 1) * U / G);
-    bool first = true;
+    // Lane t's rows of row tile `tile` (wgmma_gemm's r0, r1): a SWIGLU feature's gate and up rows, else rows g, g + 8.
+    auto rows = [&](int tile, const u8*& r0, const u8*& r1) {
+        const int row = SWIGLU ? tile * (WG_ROWS / 2) + warp * 8 + g : tile * WG_ROWS + warp * 16 + g;
+        r0 = W + (size_t)row * row_bytes;
+        r1 = r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)8) * row_bytes;
+    };
+    bool first = true, have = false;                           // have: cur holds the segment's first weights
+    typename WT::Sb cur;
+    typename WT::St st[NSLOT];
     for (int u = (int)((long long)b * U / G); u < u1;) {
         const int q = u / nsb, sbA = u - q * nsb, sbB = min(nsb, sbA + (u1 - u));
         const int tile = q / ntok, g0 = (q - tile * ntok) * (BT / 8);
         const int row0 = tile * WG_ROWS + warp * 16 + g;
         const int feat = tile * (WG_ROWS / 2) + warp * 8 + g;
-        const u8* r0 = W + (size_t)(SWIGLU ? feat : row0) * row_bytes;
-        const u8* r1 = r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)8) * row_bytes;
-        typename WT::Sb cur;
-        typename WT::St st[NSLOT];
-        wg_load_first<WT, NSLOT>(cur, st, r0, r1, sbA, 4 * sbA, t);
+        const u8 *r0, *r1, *next0 = nullptr, *next1 = nullptr;
+        rows(tile, r0, r1);
+        if (!have) wg_load_first<WT, NSLOT>(cur, st, r0, r1, sbA, 4 * sbA, t);
+        const int un = u + (sbB - sbA);                        // the next segment: a tile from its start
+        if constexpr (WG_SK_PREFETCH && WT::PF == 0) {
+            if (un < u1) rows(un / nsb / ntok, next0, next1);
+        }
         if (first) pdl_entry();
         else __syncthreads();                                  // every wait of the last segment passed
         if (threadIdx.x == 0) {
@@ -149,7 +170,8 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
         float acc[Tile::NH][Tile::NACC];
         const u8* src0 = Xt + ((size_t)(4 * sbA) * ngroups + g0) * 1024;
         wg_sk_kloop<WT, BT, STAGES, NSLOT>(acc, cur, st, r0, r1, sbA, sbB, src0, src_step,
-                                           (u32)min(BT / 8, ngroups - g0) * 1024, s0, bars, desc0, t);
+                                           (u32)min(BT / 8, ngroups - g0) * 1024, s0, bars, desc0, t, next0, next1);
+        have = next0 != nullptr;
         if (sbA != 0) {                                        // not the owner: the partial tile out
             float* slot = part + (size_t)b * NC * WG_THREADS + threadIdx.x;
 #pragma unroll
@@ -199,7 +221,7 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
                         }
                     }
         }
-        u += sbB - sbA;
+        u = un;
         first = false;
     }
     if (first) pdl_entry();                                    // no units (the host keeps G <= U)
