@@ -153,7 +153,13 @@ def streamk_workspace(blocks: int, bt: int, tiles: int):
     return work[0], work[1]
 
 
-def _launch_streamk(k, name: str, bt: int, T: int, N: int, K: int, smem: int, args: tuple) -> None:
+def _grid_launch(fname: str, name: str, bt: int, kp: int, T: int, N: int, K: int, smem: int, args: tuple) -> None:
+    """Kernel `name` of one GEMM over N rows: grid (token tiles, row tiles, kp), or for kp =
+    STREAMK a 1-D grid of what the SMs hold with the stream-K workspace after `args`."""
+    k = kernels.get_kernel(fname, name, dynamic_smem=smem)
+    if kp != STREAMK:
+        k((-(-T // bt), N // ROWS, kp), (THREADS,), args, shared_mem=smem)
+        return
     key = (name, smem)
     if key not in _sk_occupancy:
         _sk_occupancy[key] = launch.occupancy(k, THREADS, smem)
@@ -187,13 +193,8 @@ def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weigh
     if T == 0:
         return out
     bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp, streamk_ok=True)
-    name = instance(bt, stages, kp)
-    k = kernels.get_kernel(fname, name, dynamic_smem=smem)
-    args = (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K))
-    if kp == STREAMK:
-        _launch_streamk(k, name, bt, T, N, K, smem, args)
-    else:
-        k((-(-T // bt), N // ROWS, kp), (THREADS,), args, shared_mem=smem)
+    _grid_launch(fname, instance(bt, stages, kp), bt, kp, T, N, K, smem,
+                 (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)))
     return out
 
 
@@ -270,13 +271,8 @@ def wgmma_swiglu(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = No
     if T == 0:
         return out
     bt, stages, kp, smem = _config("wgmma_swiglu", T, N, K, bt, stages, kp, streamk_ok=True)
-    name = registry.wgmma_swiglu_instance(bt, stages, kp)
-    k = kernels.get_kernel(FILE, name, dynamic_smem=smem)
-    args = (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K))
-    if kp == STREAMK:
-        _launch_streamk(k, name, bt, T, N, K, smem, args)
-    else:
-        k((-(-T // bt), N // ROWS, kp), (THREADS,), args, shared_mem=smem)
+    _grid_launch(FILE, registry.wgmma_swiglu_instance(bt, stages, kp), bt, kp, T, N, K, smem,
+                 (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)))
     return out
 
 
