@@ -9,93 +9,53 @@
 // (unit u: tile u / nsb, super-block u % nsb; u0 = b U / G), so every SM gets the same number of
 // super-blocks to within one.
 //
-// A block's units cut tiles into segments; each segment runs wgmma_gemm's pipeline (wg_sk_kloop)
-// from its own first weights and stages. The segment holding a tile's super-block 0 is the tile's
-// owner: it is the last segment of its block, so the other segments of the tile (the first
-// segments of the next blocks, run at their start) are normally done when it finishes. A
-// non-owner writes its f32 tile to part[its block] (accumulator c of thread x at c * 256 + x,
-// coalesced) and adds 1 to flags[tile] (release); the owner waits (acquire) for its count, adds
-// the partials in block order (own sums + block b + 1 + block b + 2 ...: the same sum whoever ran
-// when), resets the flag for the next launch, and stores as wgmma_gemm's KP = 1 epilogue does
-// (plain f32 rows, or SWIGLU's tiled f16 h). Every block must be resident at once (an owner spins
-// on later blocks): G <= the blocks the SMs hold, and a spin longer than ~2 s traps rather than
-// hangs.
+// One pipeline a block: its units are one run of 4 nu stages through the activation ring (stage
+// L: part L % 4 of unit u0 + L / 4, wherever that unit's tile and super-block are), the weights
+// one unit ahead across tile boundaries, so a block fills its pipeline once, as wgmma_gemm does.
+// Where the run crosses a tile's end the block closes a segment: every wgmma retired, then
+// - the segment that holds the tile's super-block 0 owns the tile. It is its block's last segment
+//   unless the tile is whole in the block, so the tile's other segments (the first segments of
+//   the next blocks, run at their start) are normally done by then. It waits (acquire) for their
+//   count, adds their partials in block order (own sums + block b + 1 + ...: the same sum
+//   whoever ran when), resets the count for the next launch and stores as wgmma_gemm's KP = 1
+//   epilogue does (plain f32 rows, or SWIGLU's tiled f16 h);
+// - any other segment (always its block's first) writes its f32 tile to part[its block]
+//   (accumulator c of thread x at c * 256 + x, coalesced) and adds 1 to flags[tile] (release).
+// Every block must be resident at once (an owner spins on later blocks): G <= the blocks the SMs
+// hold, and a spin longer than ~2 s traps rather than hangs.
 //
-// The K loop is wgmma_gemm's (wgmma_common.cuh), kept apart here so production machine code stays
-// the GPU-tested one until this form is decided: made production, wgmma_gemm calls wg_sk_kloop;
-// retired, this file goes.
+// The loop is wgmma_gemm's (wgmma_common.cuh) with the stage's source and rows taken per unit; it
+// is kept apart so production machine code stays the GPU-tested one until this form is decided.
 #pragma once
 #include "wgmma_common.cuh"
 
-// WG_SK_PREFETCH (1; 0 the control): a segment's last super-block loads the next segment's first
-// weights (q4_K: formats without per-stage loads), so only a block's first segment waits for DRAM.
-#ifndef WG_SK_PREFETCH
-#define WG_SK_PREFETCH 1
-#endif
 // Two blocks an SM at 32-token tiles (at most 128 registers: the deal's G is what the SMs hold).
 #define WG_SK_MIN_BLOCKS(BT) ((BT) <= 32 ? 2 : 1)
 
-// wgmma_gemm's K loop over super-blocks sb0 .. sb1 - 1 of rows r0, r1 (cur, st: lane t's first
-// registers, loaded; the mbarriers initialized and no copy in flight): acc zeroed, then summed.
-// With next0 (WG_SK_PREFETCH, formats without per-stage loads): the last super-block loads
-// super-block 0 of rows next0, next1 (the block's next segment) and leaves it in cur.
-template <class WT, int BT, int STAGES, int NSLOT>
-__device__ __forceinline__ void wg_sk_kloop(float (&acc)[WgTile<BT>::NH][WgTile<BT>::NACC], typename WT::Sb& cur,
-                                            typename WT::St (&st)[NSLOT], const u8* r0, const u8* r1, int sb0,
-                                            int sb1, const u8* src0, size_t src_step, u32 copy_bytes, u32 s0,
-                                            u32 bars, u64 desc0, int t, const u8* next0, const u8* next1) {
-    typedef WgTile<BT> Tile;
-    constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
-    constexpr int RB = STAGES >= 8 ? 4 : 1;
-    static_assert(STAGES < 8 || STAGES % 4 == 0, "the super-block refill takes whole super-blocks of buffers");
-    const int j0 = 4 * sb0, nst = 4 * (sb1 - sb0);
-    if (threadIdx.x == 0)
-        for (int l = 0; l < STAGES && l < nst; ++l)
-            wg_bulk_stage(s0 + l * STAGE_BYTES, bars + 8 * l, src0 + l * src_step, copy_bytes);
-#pragma unroll
-    for (int h = 0; h < Tile::NH; ++h)
-#pragma unroll
-        for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
-    typename WT::Sb nxt;
-    typename WT::Sc sc;
-    u32 a[4][4];
-    for (int sb = sb0; sb < sb1; ++sb) {
-        if (sb + 1 < sb1) WT::load(nxt, r0, r1, sb + 1, t);
-        else if (next0 != nullptr) WT::load(nxt, next0, next1, 0, t);
-        WT::scales(sc, cur, t);
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const int j = sb * 4 + jj;
-            const u32 l = (u32)(j - j0), buf = l % STAGES;
-            mbar_wait(bars + 8 * buf, (l / STAGES) & 1);
-            WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
-            if constexpr (WT::PF > 0) {
-                if (l + WT::PF < (u32)nst) WT::load_stage(st[jj % NSLOT], r0, r1, j + WT::PF, t);
-            }
-            wg_fence();
-            wg_issue_stage<BT>(acc, a, wg_desc_add(desc0, buf * STAGE_BYTES));
-            wg_commit();
-            wg_wait<1>();
-            if constexpr (RB == 1) {
-                const u32 ln = l - 1 + STAGES;
-                __syncthreads();
-                if (threadIdx.x == 0 && l >= 1 && ln < (u32)nst) {
-                    const u32 bn = ln % STAGES;
-                    wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
-                }
-            } else if (jj == 0 && l >= 4 && l + STAGES - 4 < (u32)nst) {
-                __syncthreads();
-                if (threadIdx.x == 0)
-                    for (u32 ln = l + STAGES - 4; ln < l + STAGES && ln < (u32)nst; ++ln) {
-                        const u32 bn = ln % STAGES;
-                        wg_bulk_stage(s0 + bn * STAGE_BYTES, bars + 8 * bn, src0 + ln * src_step, copy_bytes);
-                    }
-            }
-        }
-        cur = nxt;
+// wgmma_n (wgmma_ops.cuh) with scale-d at run time: fresh = 1 makes D = A . B (a segment's first
+// k16 step), else D += A . B. The accumulators are then never written by other instructions
+// inside the pipeline (ptxas serializes every wgmma otherwise, C7515).
+#define SK_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
+template <int BN>
+__device__ __forceinline__ void wgmma_n_fresh(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int fresh) {
+    static_assert(BN == 32 || BN == 64, "BN: 32 or 64 (token tiles <= 64)");
+    const int acc = !fresh;
+    if constexpr (BN == 32) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                     : SK_D4(0), SK_D4(1), SK_D4(2), SK_D4(3)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                     : SK_D4(0), SK_D4(1), SK_D4(2), SK_D4(3), SK_D4(4), SK_D4(5), SK_D4(6), SK_D4(7)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
     }
-    wg_wait<0>();
 }
+#undef SK_D4
 
 // The block holding unit u of U dealt to G blocks (u0(b) = b U / G): the largest b with u0(b) <= u.
 __device__ __forceinline__ int wg_sk_block_of(int u, int U, int G) {
@@ -125,9 +85,12 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
                                               float* __restrict__ part, int* __restrict__ flags) {
     extern __shared__ __align__(1024) u8 smem[];
     typedef WgTile<BT> Tile;
+    constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
     constexpr int NC = Tile::NH * Tile::NACC;                  // accumulators a thread
     constexpr int NSLOT = WT::PF > 0 ? WT::PF : 1;
+    constexpr int RB = STAGES >= 8 ? 4 : 1;                    // buffers refilled together (wgmma_gemm)
     static_assert(4 % NSLOT == 0, "WT::PF must divide the 4 stages of a super-block");
+    static_assert(STAGES < 8 || STAGES % 4 == 0, "the super-block refill takes whole super-blocks of buffers");
     const u32 s0 = smem_u32(smem);
     const u32 bars = s0 + wg_stage_area<BT, STAGES, 1>();
     const u64 desc0 = wg_desc(s0, 128, 1024);
@@ -135,44 +98,135 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = (T + 7) / 8, ntok = (T + BT - 1) / BT;
     const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
-    const size_t src_step = (size_t)ngroups * 1024;
     const int nsb = K / 256, U = ntok * (N / WG_ROWS) * nsb, G = gridDim.x, b = blockIdx.x;
-    const int u1 = (int)((long long)(b + 1) * U / G);
-    // Lane t's rows of row tile `tile` (wgmma_gemm's r0, r1): a SWIGLU feature's gate and up rows, else rows g, g + 8.
-    auto rows = [&](int tile, const u8*& r0, const u8*& r1) {
-        const int row = SWIGLU ? tile * (WG_ROWS / 2) + warp * 8 + g : tile * WG_ROWS + warp * 16 + g;
-        r0 = W + (size_t)row * row_bytes;
-        r1 = r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)8) * row_bytes;
+    const int u0 = (int)((long long)b * U / G), nu = (int)((long long)(b + 1) * U / G) - u0;
+    const int nst = 4 * nu;                                    // the block's stages
+    // A unit and what it needs, stepped one unit at a time (divisions only where the tile changes):
+    // its tile q, super-block sb, token group g0 and lane t's rows r0, r1 (wgmma_gemm's: a SWIGLU
+    // feature's gate and up rows, else rows g and g + 8).
+    struct Unit {
+        int q, sb, g0;
+        const u8 *r0, *r1;
     };
-    bool first = true, have = false;                           // have: cur holds the segment's first weights
-    typename WT::Sb cur;
+    auto at_tile = [&](Unit& c) {
+        const int tile = c.q / ntok;
+        const int row = SWIGLU ? tile * (WG_ROWS / 2) + warp * 8 + g : tile * WG_ROWS + warp * 16 + g;
+        c.r0 = W + (size_t)row * row_bytes;
+        c.r1 = c.r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)8) * row_bytes;
+        c.g0 = (c.q - tile * ntok) * (BT / 8);
+    };
+    auto next_unit = [&](Unit& c) {
+        if (++c.sb == nsb) {
+            c.sb = 0;
+            ++c.q;
+            at_tile(c);
+        }
+    };
+    Unit first{u0 / nsb, u0 % nsb, 0, nullptr, nullptr};
+    at_tile(first);
+    // Thread 0's copy cursor: the stages go out in order (stage L: part L % 4 of the block's unit
+    // L / 4), from c_src, c_bytes; c_left: the parts left in the cursor's tile.
+    const size_t src_step = (size_t)ngroups * 1024;
+    const u8* c_src = Xt + ((size_t)(4 * first.sb) * ngroups + first.g0) * 1024;
+    u32 c_bytes = (u32)min(BT / 8, ngroups - first.g0) * 1024;
+    int c_left = 4 * (nsb - first.sb), c_q = first.q;
+    auto copy_next = [&](int L) {
+        const u32 buf = (u32)L % STAGES;
+        wg_bulk_stage(s0 + buf * STAGE_BYTES, bars + 8 * buf, c_src, c_bytes);
+        c_src += src_step;
+        if (--c_left == 0) {                                   // the next tile, from its first stage
+            c_left = 4 * nsb;
+            const int g0 = ntok == 1 ? 0 : (++c_q % ntok) * (BT / 8);
+            c_src = Xt + (size_t)g0 * 1024;
+            c_bytes = (u32)min(BT / 8, ngroups - g0) * 1024;
+        }
+    };
+
+    typename WT::Sb cur, nxt;
     typename WT::St st[NSLOT];
-    for (int u = (int)((long long)b * U / G); u < u1;) {
-        const int q = u / nsb, sbA = u - q * nsb, sbB = min(nsb, sbA + (u1 - u));
-        const int tile = q / ntok, g0 = (q - tile * ntok) * (BT / 8);
-        const int row0 = tile * WG_ROWS + warp * 16 + g;
-        const int feat = tile * (WG_ROWS / 2) + warp * 8 + g;
-        const u8 *r0, *r1, *next0 = nullptr, *next1 = nullptr;
-        rows(tile, r0, r1);
-        if (!have) wg_load_first<WT, NSLOT>(cur, st, r0, r1, sbA, 4 * sbA, t);
-        const int un = u + (sbB - sbA);                        // the next segment: a tile from its start
-        if constexpr (WG_SK_PREFETCH && WT::PF == 0) {
-            if (un < u1) rows(un / nsb / ntok, next0, next1);
-        }
-        if (first) pdl_entry();
-        else __syncthreads();                                  // every wait of the last segment passed
-        if (threadIdx.x == 0) {
+    if (nu > 0) wg_load_first<WT, NSLOT>(cur, st, first.r0, first.r1, first.sb, 4 * first.sb, t);   // before the PDL wait
+    pdl_entry();
+    if (threadIdx.x == 0) {
 #pragma unroll
-            for (int i = 0; i < STAGES; ++i) mbar_init(bars + 8 * i, 1);
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (int i = 0; i < STAGES; ++i) mbar_init(bars + 8 * i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int L = 0; L < STAGES && L < nst; ++L) copy_next(L);
+    // The per-stage weights of formats with them (q6_K): stage L + PF, in order, from the cursor pc.
+    Unit pc = first;
+    int p_part = 0;
+    for (int i = 0; i < WT::PF; ++i)
+        if (++p_part == 4) {
+            p_part = 0;
+            next_unit(pc);
         }
-        __syncthreads();
-        float acc[Tile::NH][Tile::NACC];
-        const u8* src0 = Xt + ((size_t)(4 * sbA) * ngroups + g0) * 1024;
-        wg_sk_kloop<WT, BT, STAGES, NSLOT>(acc, cur, st, r0, r1, sbA, sbB, src0, src_step,
-                                           (u32)min(BT / 8, ngroups - g0) * 1024, s0, bars, desc0, t, next0, next1);
-        have = next0 != nullptr;
-        if (sbA != 0) {                                        // not the owner: the partial tile out
+
+    float acc[Tile::NH][Tile::NACC];
+#pragma unroll
+    for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+        for (int i = 0; i < Tile::NACC; ++i) acc[h][i] = 0.0f;
+    typename WT::Sc sc;
+    u32 a[4][4];
+    bool owner = first.sb == 0;                                // the open segment holds its tile's super-block 0
+    Unit seg = first;                                          // the open segment's tile and first super-block
+    for (int k = 0; k < nu;) {                                 // k: the block's units done
+        const int q = seg.q, sb_end = seg.sb + min(nsb - seg.sb, nu - k);
+        const int L0 = 4 * (k - seg.sb);                      // stage L of super-block sb, part jj: L0 + 4 sb + jj
+        for (int sb = seg.sb; sb < sb_end; ++sb) {
+            if (sb + 1 < sb_end) {
+                WT::load(nxt, seg.r0, seg.r1, sb + 1, t);
+            } else if (sb_end - seg.sb + k < nu) {                 // across the tile's end: the next tile's first
+                Unit after{q + 1, 0, 0, nullptr, nullptr};
+                at_tile(after);
+                WT::load(nxt, after.r0, after.r1, 0, t);
+            }
+            WT::scales(sc, cur, t);
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const int L = L0 + 4 * sb + jj;
+                const u32 buf = (u32)L % STAGES;
+                mbar_wait(bars + 8 * buf, ((u32)L / STAGES) & 1);
+                WT::frags(a, cur, st[jj % NSLOT], jj, sc, t);
+                if constexpr (WT::PF > 0) {                        // the slot is free: stage L + PF into it
+                    if (L + WT::PF < nst) {
+                        WT::load_stage(st[jj % NSLOT], pc.r0, pc.r1, 4 * pc.sb + p_part, t);
+                        if (++p_part == 4) {
+                            p_part = 0;
+                            next_unit(pc);
+                        }
+                    }
+                }
+                wg_fence();
+                {                                                  // wg_issue_stage, the segment's first step fresh
+                    const u64 dbuf = wg_desc_add(desc0, buf * STAGE_BYTES);
+                    const int fresh = sb == seg.sb && jj == 0;
+#pragma unroll
+                    for (int s4 = 0; s4 < 4; ++s4)
+#pragma unroll
+                        for (int h = 0; h < Tile::NH; ++h)
+                            wgmma_n_fresh<Tile::BN>(acc[h], a[s4], wg_desc_add(dbuf, h * (Tile::BN / 8) * 1024 + s4 * 256),
+                                                    s4 == 0 && fresh);
+                }
+                wg_commit();
+                wg_wait<1>();
+                if constexpr (RB == 1) {
+                    __syncthreads();                               // buffer of stage L - 1 retired by both warpgroups
+                    if (threadIdx.x == 0 && L >= 1 && L - 1 + STAGES < nst) copy_next(L - 1 + STAGES);
+                } else if (jj == 0 && L >= 4 && L + STAGES - 4 < nst) {
+                    __syncthreads();                               // the last unit's 4 buffers retired
+                    if (threadIdx.x == 0)
+                        for (int Ln = L + STAGES - 4; Ln < L + STAGES && Ln < nst; ++Ln) copy_next(Ln);
+                }
+            }
+            cur = nxt;
+        }
+        k += sb_end - seg.sb;
+        // ---- the segment ends: tile q
+        wg_wait<0>();
+        if (!owner) {                                          // the partial tile out
             float* slot = part + (size_t)b * NC * WG_THREADS + threadIdx.x;
 #pragma unroll
             for (int h = 0; h < Tile::NH; ++h)
@@ -195,16 +249,22 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
                     flags[q] = 0;                              // for the next launch (stream order)
                 }
                 __syncthreads();
-                for (int p = b + 1; p <= last; ++p) {            // block order: the sum is fixed
-                    const float* slot = part + (size_t)p * NC * WG_THREADS + threadIdx.x;
+            }
+            float v[Tile::NH][Tile::NACC];                     // the tile's sums (acc stays the wgmmas' own)
 #pragma unroll
-                    for (int h = 0; h < Tile::NH; ++h)
+            for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
-                        for (int i = 0; i < Tile::NACC; ++i) acc[h][i] += __ldcg(slot + (h * Tile::NACC + i) * WG_THREADS);
-                }
+                for (int i = 0; i < Tile::NACC; ++i) v[h][i] = acc[h][i];
+            for (int p = b + 1; p <= last; ++p) {                // block order: the sum is fixed
+                const float* slot = part + (size_t)p * NC * WG_THREADS + threadIdx.x;
+#pragma unroll
+                for (int h = 0; h < Tile::NH; ++h)
+#pragma unroll
+                    for (int i = 0; i < Tile::NACC; ++i) v[h][i] += __ldcg(slot + (h * Tile::NACC + i) * WG_THREADS);
             }
             // wgmma_gemm's KP = 1 epilogue. acc[h][4 i + e]: row g + 8 (e >> 1), token BN h + 8 i + 2 t + (e & 1)
-            const int tok0 = g0 * 8;
+            const int tile = q / ntok, tok0 = (q - tile * ntok) * BT;
+            const int row0 = tile * WG_ROWS + warp * 16 + g, feat = tile * (WG_ROWS / 2) + warp * 8 + g;
 #pragma unroll
             for (int h = 0; h < Tile::NH; ++h)
 #pragma unroll
@@ -215,14 +275,15 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
                         if constexpr (SWIGLU) {
                             if (e < 2)
                                 wg_store_pair(reinterpret_cast<u16*>(Y), tok, feat, ngroups,
-                                              wg_swiglu_h(acc[h][4 * i + e], acc[h][4 * i + e + 2]), tok < T);
+                                              wg_swiglu_h(v[h][4 * i + e], v[h][4 * i + e + 2]), tok < T);
                         } else if (tok < T) {
-                            Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = acc[h][4 * i + e];
+                            Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = v[h][4 * i + e];
                         }
                     }
         }
-        u = un;
-        first = false;
+        owner = true;                                          // every later segment starts a tile
+        seg.q = q + 1;
+        seg.sb = 0;
+        if (k < nu) at_tile(seg);
     }
-    if (first) pdl_entry();                                    // no units (the host keeps G <= U)
 }

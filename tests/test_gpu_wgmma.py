@@ -428,23 +428,3 @@ def test_wgmma_streamk_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt):
     wgmma_swiglu(wd, xt, T, out=got, bt=bt, kp=STREAMK)
     assert np.array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))
 
-
-@pytest.mark.parametrize("T,N,K,bt", [STREAMK_CASES[0], STREAMK_CASES[1], STREAMK_CASES[3]])
-def test_wgmma_streamk_prefetch_same_bits(rng, monkeypatch, T, N, K, bt):
-    """WG_SK_PREFETCH (a segment's last super-block loads the next segment's first q4_K weights)
-    changes when weights arrive, not what is summed: the same bits as without it."""
-    _sm90()
-    import cupy as cp
-
-    from engine.gpu.kernels import DEFINES_ENV
-    from engine.gpu.ops.wgmma import STREAMK, wgmma_q4k
-    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
-    from engine.gpu.weights import upload_weight
-
-    wd = upload_weight(random_blocks(rng, "q4_k", N, K, special=True), "Q4_K")
-    xt = gpu_tile(cp.asarray(rng.standard_normal((T, K)).astype(np.float32)))
-    monkeypatch.delenv(DEFINES_ENV, raising=False)
-    y = _run_poisoned(wgmma_q4k, wd, xt, T, N, bt=bt, kp=STREAMK)
-    monkeypatch.setenv(DEFINES_ENV, "WG_SK_PREFETCH=0")
-    y0 = _run_poisoned(wgmma_q4k, wd, xt, T, N, bt=bt, kp=STREAMK)
-    assert np.array_equal(y.view(np.uint32), y0.view(np.uint32))
