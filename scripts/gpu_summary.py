@@ -1,6 +1,7 @@
 """Print the short summary of a scripts/gpu_check.sh run from the files in OUT."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -56,6 +57,19 @@ def main(out: str) -> int:
         for r in rows:
             print(f"H={r['H']}/{r['KVH']} hd={r['hd']} {r['n']}@{r['start']} {r['variant']:9s} {r['ms']:8.3f} ms "
                   f"{r['tflops']:6.1f} TFLOP/s err {r['err']:.1e}")
+    for tj in sorted(glob.glob(os.path.join(out, "timeline*.json"))):
+        print(f"\n# {os.path.basename(tj)}: wgmma blocks phase by phase (us; medians over the blocks, per super-block by blocks resident)")
+        for r in json.load(open(tj)):
+            ph = {k: v.get("median", 0.0) for k, v in r["phases_us"].items()}
+            print(f"{r['kind']} {r['N']}x{r['K']} T={r['T']} {r['config']:>7s}: graph {r['graph_ms'] * 1e3:6.1f}, "
+                  f"span {r['span_us']:6.1f}, exits {r['exit_us']['min']:.1f}..{r['exit_us']['max']:.1f}; pdl {ph['pdl']:.2f} "
+                  f"fill {ph['weights0'] + ph['stage0']:.2f} sb {r['per_sb_by_resident']} "
+                  f"epi {ph['epi_wait'] + ph['epi_sum'] + ph['epilogue']:.2f}")
+    for gj in sorted(glob.glob(os.path.join(out, "graph_tl_*.json"))):
+        from dev.graph_timeline import format_shares
+        g = json.load(open(gj))
+        print(f"\n# {os.path.basename(gj)}")
+        print(format_shares(g["label"], g, top=10))
     return 0
 
 
