@@ -69,3 +69,43 @@ wgmma_pair_rope_kp(const u8* __restrict__ Wa, int Na, const u8* __restrict__ Wb,
     const WgRope rope = WG_ROPE_ARGS;
     wgmma_pair_block<PADDED, BT, STAGES, KP, true>(Wa, nullptr, Na, Wb, nullptr, Nb, Xt, T, K, &rope);
 }
+
+// Stream-K (wgmma_streamk.cuh, an A/B form): two deals in one grid, blocks 0 .. Ga - 1 over Wa's
+// tiles (part, flags from their start), the others over Wb's (part after Ga blocks' slots, flags
+// after Wa's tiles); a block's deal is uniform over it. ROPE: Wb's rows from global row Na on.
+template <bool PADDED, int BT, int STAGES, bool ROPE>
+__device__ __forceinline__ void wgmma_pair_sk_block(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na,
+                                                    const u8* __restrict__ Wb, float* __restrict__ Yb, int Nb,
+                                                    const u8* __restrict__ Xt, int T, int K, float* __restrict__ part,
+                                                    int* __restrict__ flags, int Ga, const WgRope* rope) {
+    const int b = blockIdx.x;
+    if (b < Ga) {
+        wgmma_gemm_sk<WgQ4K, BT, STAGES, false, ROPE>(Wa, Xt, Ya, T, Na, K, part, flags, b, Ga, rope);
+    } else {
+        const int tiles_a = (T + BT - 1) / BT * (Na / WG_ROWS);
+        float* part_b = part + (size_t)Ga * (BT / 2) * WG_THREADS;
+        if constexpr (ROPE) {
+            wgmma_gemm_sk<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, false, true>(
+                Wb, Xt, Yb, T, Nb, K, part_b, flags + tiles_a, b - Ga, gridDim.x - Ga, rope, Na);
+        } else {
+            wgmma_gemm_sk<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, false>(Wb, Xt, Yb, T, Nb, K, part_b,
+                                                                            flags + tiles_a, b - Ga, gridDim.x - Ga);
+        }
+    }
+}
+
+template <bool PADDED, int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, PADDED ? WG_SK_MIN_BLOCKS(BT) : 1)
+wgmma_pair_sk(const u8* __restrict__ Wa, float* __restrict__ Ya, int Na, const u8* __restrict__ Wb,
+              float* __restrict__ Yb, int Nb, const u8* __restrict__ Xt, int T, int K, float* __restrict__ part,
+              int* __restrict__ flags, int Ga) {
+    wgmma_pair_sk_block<PADDED, BT, STAGES, false>(Wa, Ya, Na, Wb, Yb, Nb, Xt, T, K, part, flags, Ga, nullptr);
+}
+
+template <bool PADDED, int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, PADDED ? WG_SK_MIN_BLOCKS(BT) : 1)
+wgmma_pair_rope_sk(const u8* __restrict__ Wa, int Na, const u8* __restrict__ Wb, int Nb, const u8* __restrict__ Xt,
+                   int T, int K, float* __restrict__ part, int* __restrict__ flags, int Ga, WG_ROPE_PARAMS) {
+    const WgRope rope = WG_ROPE_ARGS;
+    wgmma_pair_sk_block<PADDED, BT, STAGES, true>(Wa, nullptr, Na, Wb, nullptr, Nb, Xt, T, K, part, flags, Ga, &rope);
+}

@@ -137,14 +137,15 @@ template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, WG_SK_MIN_BLOCKS(BT))
 wgmma_q4_k_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K,
               float* __restrict__ part, int* __restrict__ flags) {
-    wgmma_gemm_sk<WgQ4K, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags);
+    wgmma_gemm_sk<WgQ4K, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags, blockIdx.x, gridDim.x);
 }
 
 template <int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, WG_SK_MIN_BLOCKS(BT))
 wgmma_q4_k_swiglu_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, u16* __restrict__ Xo, int T, int N, int K,
                      float* __restrict__ part, int* __restrict__ flags) {
-    wgmma_gemm_sk<WgQ4K, BT, STAGES, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, part, flags);
+    wgmma_gemm_sk<WgQ4K, BT, STAGES, true>(W, Xt, reinterpret_cast<float*>(Xo), T, N, K, part, flags,
+                                             blockIdx.x, gridDim.x);
 }
 
 // The q|k|v GEMM with bias + RoPE + the K/V cache append fused (wgmma_common.cuh ROPE; ubatches
@@ -162,5 +163,14 @@ __global__ void __cluster_dims__(1, 1, KP) __launch_bounds__(WG_THREADS, 1)
 wgmma_q4_k_rope_kp(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, WG_ROPE_PARAMS) {
     const WgRope rope = WG_ROPE_ARGS;
     wgmma_gemm<WgQ4K, BT, STAGES, KP, false, true>(W, Xt, nullptr, T, N, K, wg_block_tiles().row, &rope);
+}
+
+// Stream-K (wgmma_streamk.cuh, an A/B form) of the q|k|v GEMM with the RoPE epilogue.
+template <int BT, int STAGES>
+__global__ void __launch_bounds__(WG_THREADS, WG_SK_MIN_BLOCKS(BT))
+wgmma_q4_k_rope_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, int T, int N, int K, float* __restrict__ part,
+                   int* __restrict__ flags, WG_ROPE_PARAMS) {
+    const WgRope rope = WG_ROPE_ARGS;
+    wgmma_gemm_sk<WgQ4K, BT, STAGES, false, true>(W, Xt, nullptr, T, N, K, part, flags, blockIdx.x, gridDim.x, &rope);
 }
 #endif

@@ -168,6 +168,7 @@ template <bool PADDED, int BT, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, PADDED ? WG_SK_MIN_BLOCKS(BT) : 1)
 wgmma_q6_k_sk(const u8* __restrict__ W, const u8* __restrict__ Xt, float* __restrict__ Y, int T, int N, int K,
               float* __restrict__ part, int* __restrict__ flags) {
-    wgmma_gemm_sk<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags);
+    wgmma_gemm_sk<WgQ6K<PADDED, wg_q6_pf<BT>()>, BT, STAGES, false>(W, Xt, Y, T, N, K, part, flags, blockIdx.x,
+                                                                    gridDim.x);
 }
 #endif

@@ -76,13 +76,16 @@ __device__ __forceinline__ unsigned long long wg_globaltimer() {
     return t;
 }
 
-// Stream-K GEMM of one block (module comment): y[T, N] = x . W^T over ntok x N / 128 tiles, or with
-// SWIGLU the gate|up GEMM's h into Xo (wgmma_gemm SWIGLU). part: f32 [G][NH NACC][256], flags:
-// int [tiles], zero before the first launch (owners leave them zero).
-template <class WT, int BT, int STAGES, bool SWIGLU>
+// Stream-K GEMM of block b of a deal of G blocks (module comment): y[T, N] = x . W^T over ntok x
+// N / 128 tiles, or with SWIGLU the gate|up GEMM's h into Xo, or with ROPE the q|k|v GEMM's
+// rope.cu outputs (wgmma_gemm's SWIGLU, ROPE). part: f32 [G][NH NACC][256], flags: int [tiles],
+// zero before the first launch (owners leave them zero). A launch may hold two deals (the pair:
+// its wrapper gives each its blocks, part and flags; ROPE: the second's rows from rope_row0 on).
+template <class WT, int BT, int STAGES, bool SWIGLU, bool ROPE = false>
 __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8* __restrict__ Xt,
                                               float* __restrict__ Y, int T, int N, int K,
-                                              float* __restrict__ part, int* __restrict__ flags) {
+                                              float* __restrict__ part, int* __restrict__ flags, int b, int G,
+                                              const WgRope* rope = nullptr, int rope_row0 = 0) {
     extern __shared__ __align__(1024) u8 smem[];
     typedef WgTile<BT> Tile;
     constexpr u32 STAGE_BYTES = BT * WG_BK * 2;
@@ -98,21 +101,24 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = (T + 7) / 8, ntok = (T + BT - 1) / BT;
     const size_t row_bytes = (size_t)(K / 256) * WT::BLOCK_BYTES;
-    const int nsb = K / 256, U = ntok * (N / WG_ROWS) * nsb, G = gridDim.x, b = blockIdx.x;
+    const int nsb = K / 256, U = ntok * (N / WG_ROWS) * nsb;
+    int rp0 = 0, rstep = 8;                                    // ROPE: the pair's first local row, lr1 - lr0
+    if constexpr (ROPE) wg_rope_rows(*rope, warp, g, rp0, rstep);
     const int u0 = (int)((long long)b * U / G), nu = (int)((long long)(b + 1) * U / G) - u0;
     const int nst = 4 * nu;                                    // the block's stages
     // A unit and what it needs, stepped one unit at a time (divisions only where the tile changes):
     // its tile q, super-block sb, token group g0 and lane t's rows r0, r1 (wgmma_gemm's: a SWIGLU
-    // feature's gate and up rows, else rows g and g + 8).
+    // feature's gate and up rows, a ROPE pair's two rows, else rows g and g + 8).
     struct Unit {
         int q, sb, g0;
         const u8 *r0, *r1;
     };
     auto at_tile = [&](Unit& c) {
         const int tile = c.q / ntok;
-        const int row = SWIGLU ? tile * (WG_ROWS / 2) + warp * 8 + g : tile * WG_ROWS + warp * 16 + g;
+        const int row = SWIGLU ? tile * (WG_ROWS / 2) + warp * 8 + g
+                              : tile * WG_ROWS + (ROPE ? rp0 : warp * 16 + g);
         c.r0 = W + (size_t)row * row_bytes;
-        c.r1 = c.r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)8) * row_bytes;
+        c.r1 = c.r0 + (SWIGLU ? (size_t)(N / 2) : (size_t)rstep) * row_bytes;
         c.g0 = (c.q - tile * ntok) * (BT / 8);
     };
     auto next_unit = [&](Unit& c) {
@@ -144,7 +150,8 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
 
     typename WT::Sb cur, nxt;
     typename WT::St st[NSLOT];
-    if (nu > 0) wg_load_first<WT, NSLOT>(cur, st, first.r0, first.r1, first.sb, 4 * first.sb, t);   // before the PDL wait
+    if (nu > 0)                                                // before the PDL wait, as wgmma_gemm
+        wg_load_first<WT, NSLOT>(cur, st, first.r0, first.r1, first.sb, 4 * first.sb, t);
     pdl_entry();
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -207,7 +214,8 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
                     for (int s4 = 0; s4 < 4; ++s4)
 #pragma unroll
                         for (int h = 0; h < Tile::NH; ++h)
-                            wgmma_n_fresh<Tile::BN>(acc[h], a[s4], wg_desc_add(dbuf, h * (Tile::BN / 8) * 1024 + s4 * 256),
+                            wgmma_n_fresh<Tile::BN>(acc[h], a[s4],
+                                                    wg_desc_add(dbuf, h * (Tile::BN / 8) * 1024 + s4 * 256),
                                                     s4 == 0 && fresh);
                 }
                 wg_commit();
@@ -276,6 +284,10 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
                             if (e < 2)
                                 wg_store_pair(reinterpret_cast<u16*>(Y), tok, feat, ngroups,
                                               wg_swiglu_h(v[h][4 * i + e], v[h][4 * i + e + 2]), tok < T);
+                        } else if constexpr (ROPE) {
+                            if (e < 2 && tok < T)
+                                wg_rope_store(*rope, rope_row0 + tile * WG_ROWS + rp0, rstep, tok, T, v[h][4 * i + e],
+                                              v[h][4 * i + e + 2]);
                         } else if (tok < T) {
                             Y[(size_t)tok * N + row0 + 8 * (e >> 1)] = v[h][4 * i + e];
                         }

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 
+from engine.gpu.registry import STREAMK
 from engine.reference.mmq import random_blocks
 from engine.reference.wgmma import (
     dequant_q4_k_f16, dequant_q6_k_f16, k_permutation, tile_x16, wgmma_abs, wgmma_error_bound, wgmma_reference,
@@ -306,6 +307,9 @@ def test_wgmma_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt, kp):
     ("pair", 32, 4, 2, 128, "neox", True, (32, 4), "start"),      # [Wq; Wk] q4_K + Wv q6_K, 4 parts
     ("pair", 24, 4, 2, 128, "normal", False, None, "rows"),       # the production choice
     ("pair", 300, 8, 4, 64, "normal", True, (128, 1), "start_dev"),
+    ("q4k", 32, 4, 2, 128, "neox", True, (32, STREAMK), "start"),          # stream-K (an A/B): same deal
+    ("pair", 32, 8, 4, 128, "normal", True, (32, STREAMK), "rows"),        # as the plain stream-K GEMM
+    ("pair", 24, 4, 2, 64, "neox", False, (32, STREAMK), "start_dev"),
 ])
 def test_wgmma_qkv_rope_equals_gemm_then_qkv_rope(rng, layout, T, H, KVH, hd, rope_type, bias, cfg, where):
     """wgmma_qkv_rope (the q|k|v GEMM with bias + RoPE + the K/V append fused, production at T <= 32) ==
@@ -428,3 +432,34 @@ def test_wgmma_streamk_swiglu_equals_gemm_then_swiglu_x16(rng, T, F, K, bt):
     wgmma_swiglu(wd, xt, T, out=got, bt=bt, kp=STREAMK)
     assert np.array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))
 
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("T,Na,Nb,K", [(32, 8192, 4096, 4096), (20, 512, 256, 2816), (64, 256, 128, 1024)])
+def test_wgmma_streamk_pair_vs_oracle(rng, padded, T, Na, Nb, K):
+    """The stream-K pair (two deals in one grid: q4_K Wa and q6_K Wb, blocks in proportion to their
+    units): both outputs within the oracle's bound, a rerun bit-equal."""
+    _sm90()
+    import cupy as cp
+
+    from engine.gpu.ops.wgmma import wgmma_pair
+    from engine.gpu.ops.wgmma import tile_x16 as gpu_tile
+    from engine.gpu.weights import upload_weight
+
+    wa = random_blocks(rng, "q4_k", Na, K, special=True)
+    wb = random_blocks(rng, "q6_k", Nb, K, special=True)
+    da, db = upload_weight(wa, "Q4_K"), upload_weight(wb, "Q6_K", pad_q6k=padded)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xt = gpu_tile(cp.asarray(x))
+    bt = 32 if T <= 32 else 64
+
+    def run():
+        ya, yb = (cp.full((T, n), np.nan, dtype=cp.float32) for n in (Na, Nb))
+        wgmma_pair(da, db, xt, T, ya, yb, bt=bt, kp=STREAMK)
+        return cp.asnumpy(ya), cp.asnumpy(yb)
+
+    (ya, yb), (ya2, yb2) = run(), run()
+    _check_vs_oracle("wgmma streamk pair a", ya, dequant_q4_k_f16(wa), x, T=T, N=Na, K=K, bt=bt)
+    _check_vs_oracle("wgmma streamk pair b", yb, dequant_q6_k_f16(wb), x, T=T, N=Nb, K=K, bt=bt)
+    assert np.array_equal(ya.view(np.uint32), ya2.view(np.uint32))
+    assert np.array_equal(yb.view(np.uint32), yb2.view(np.uint32))

@@ -54,26 +54,36 @@ def test_names_and_limits():
     assert registry.wgmma_q6_instance(True, 64, None, STREAMK) == "wgmma_q6_k_sk<true, 64, 8>"
     with pytest.raises(ValueError, match="no stream-K form"):
         registry.wgmma_instance(128, 4, STREAMK)
-    with pytest.raises(ValueError, match="no stream-K form"):
-        registry.wgmma_rope_instance(32, None, STREAMK)
+    assert registry.wgmma_rope_instance(32, None, STREAMK) == "wgmma_q4_k_rope_sk<32, 8>"
+    assert registry.wgmma_pair_rope_instance(True, 32, None, STREAMK) == "wgmma_pair_rope_sk<true, 32, 8>"
+    assert registry.wgmma_pair_instance(False, 64, None, STREAMK) == "wgmma_pair_sk<false, 64, 8>"
 
 
 def test_define_chooses_streamk_where_allowed(monkeypatch):
     monkeypatch.delenv(kernels.DEFINES_ENV, raising=False)
-    assert W._config("x", 32, 22016, 4096, None, None, None, streamk_ok=True)[2] == 1
+    assert W._config("x", 32, 22016, 4096, None, None, None)[2] == 1
     monkeypatch.setenv(kernels.DEFINES_ENV, "WG_STREAMK=1")
-    bt, stages, kp, smem = W._config("x", 32, 22016, 4096, None, None, None, streamk_ok=True)
+    bt, stages, kp, smem = W._config("x", 32, 22016, 4096, None, None, None)
     assert (bt, stages, kp, smem) == (32, 8, STREAMK, W.smem_bytes(32, 8, 1))
-    assert W._config("x", 32, 22016, 4096, None, None, None)[2] == 1               # a pair / rope launch
-    assert W._config("x", 512, 22016, 4096, None, None, None, streamk_ok=True)[2] == 1   # bt > 64
-    assert W._config("x", 32, 4096, 4096, None, None, 2, streamk_ok=True)[2] == 2        # kp given
+    assert W._config("x", 512, 22016, 4096, None, None, None)[2] == 1         # bt > 64
+    assert W._config("x", 32, 4096, 4096, None, None, 2)[2] == 2              # kp given
+    assert W._config("x", 32, 4096, 4096, 32, None, None)[2] == 1             # bt given
+
+
+@pytest.mark.parametrize("ua,ub,blocks", [(1024, 256, 264), (1, 1, 2), (3, 1000, 264), (1000, 3, 264), (5, 5, 7)])
+def test_pair_split(ua, ub, blocks):
+    ga = W.streamk_split(ua, ub, blocks)
+    assert 1 <= ga <= ua and 1 <= blocks - ga <= ub
+    if ua >= blocks and ub >= blocks:
+        assert abs(ga / blocks - ua / (ua + ub)) <= 1 / blocks
 
 
 def test_instances_compile():
     _require_nvrtc()
     for fname, names in (("wgmma_q4_k.cu", ["wgmma_q4_k_sk<32, 8>", "wgmma_q4_k_swiglu_sk<32, 8>",
-                                            "wgmma_q4_k_sk<64, 16>"]),
-                         ("wgmma_q6_k.cu", ["wgmma_q6_k_sk<true, 32, 8>", "wgmma_q6_k_sk<false, 64, 8>"])):
+                                            "wgmma_q4_k_rope_sk<32, 8>", "wgmma_q4_k_sk<64, 16>"]),
+                         ("wgmma_q6_k.cu", ["wgmma_q6_k_sk<true, 32, 8>", "wgmma_q6_k_sk<false, 64, 8>"]),
+                         ("wgmma_pair.cu", ["wgmma_pair_sk<true, 32, 8>", "wgmma_pair_rope_sk<true, 32, 8>"])):
         ptx, lowered = kernels.nvrtc_ptx(fname, names)
         for n in names:
             entry = ptx[ptx.index(f".entry {lowered[n]}"):]

@@ -244,7 +244,8 @@ WGMMA_DEEP_STAGES = (12, 16)
 # sharing the tiles' super-blocks; token tiles <= 64), `kernel_sk<lead bt, stages>`, which these
 # kernels have.
 STREAMK = -1
-WGMMA_STREAMK_KERNELS = ("wgmma_q4_k", "wgmma_q4_k_swiglu", "wgmma_q6_k")
+WGMMA_STREAMK_KERNELS = ("wgmma_q4_k", "wgmma_q4_k_swiglu", "wgmma_q6_k", "wgmma_q4_k_rope", "wgmma_pair",
+                         "wgmma_pair_rope")
 
 
 def _check_wgmma_config(kernel: str, bt: int, stages: int, kp: int) -> None:

@@ -12,10 +12,11 @@ tiled, permuted layout (one operand for both formats); on the current stream, no
 Grid: (ceil(T / bt) token tiles, N / 128 row tiles (the pair: both matrices'), kp K-parts),
 256 threads (two warpgroups of 64 rows), `stages` activation buffers of bt x 64 f16 (and their
 mbarriers) in dynamic shared memory; kp > 1: clusters of the kp blocks of one output tile (the
-*_kp instances). kp = STREAMK (wgmma_q4k, wgmma_q6k, wgmma_swiglu; bt <= 64): the stream-K form
+*_kp instances). kp = STREAMK (every launcher here, bt <= 64): the stream-K form
 (kernels_cu/wgmma_streamk.cuh, an A/B), a 1-D grid of as many blocks as the GPU holds at once
-sharing every tile's super-blocks, with a partial-tile workspace (streamk_workspace); the define
-WG_STREAMK=1 makes it the choice of those three at bt <= 64 where the caller leaves bt and kp.
+sharing every tile's super-blocks (the pair: two deals, blocks in proportion to their units), with
+a partial-tile workspace (streamk_workspace); the define WG_STREAMK=1 makes it the choice at bt <=
+64 where the caller leaves bt and kp.
 bt, stages, kp default to the production choice (registry.wgmma_config, wgmma_stages).
 """
 from __future__ import annotations
@@ -85,14 +86,13 @@ def default_stages(bt: int) -> int:
     return kernels.define_value("WG_SMALL_STAGES", stages) if bt <= 64 else stages
 
 
-def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None,
-            streamk_ok: bool = False):
+def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None, kp: int | None):
     """(bt, stages, kp, dynamic shared bytes) of a launch over N rows: the production choice
-    (registry.wgmma_config) where bt is None (with streamk_ok and the define WG_STREAMK=1, the
-    stream-K form at bt <= 64 where kp is None too); a given bt runs unsplit unless kp says."""
+    (registry.wgmma_config) where bt is None (with the define WG_STREAMK=1, the stream-K form at bt
+    <= 64 where kp is None too); a given bt runs unsplit unless kp says."""
     if bt is None:
         bt, auto_kp = registry.wgmma_config(T, N, K)
-        if kp is None and streamk_ok and bt <= 64 and kernels.define_value("WG_STREAMK", 0):
+        if kp is None and bt <= 64 and kernels.define_value("WG_STREAMK", 0):
             kp = STREAMK
         kp = kp or auto_kp
     kp = kp or 1
@@ -153,20 +153,34 @@ def streamk_workspace(blocks: int, bt: int, tiles: int):
     return work[0], work[1]
 
 
-def _grid_launch(fname: str, name: str, bt: int, kp: int, T: int, N: int, K: int, smem: int, args: tuple) -> None:
-    """Kernel `name` of one GEMM over N rows: grid (token tiles, row tiles, kp), or for kp =
-    STREAMK a 1-D grid of what the SMs hold with the stream-K workspace after `args`."""
+def streamk_split(units_a: int, units_b: int, blocks: int) -> int:
+    """Blocks of a two-deal launch (the pair) given to the first deal: in proportion to the units,
+    at least one to each and no more than a deal's units."""
+    if blocks < 2:
+        raise ValueError("stream-K pair: two deals need two blocks")
+    ga = round(blocks * units_a / (units_a + units_b))
+    return max(1, blocks - units_b, min(ga, units_a, blocks - 1))
+
+
+def _grid_launch(fname: str, name: str, bt: int, kp: int, T: int, rows: tuple[int, ...], K: int, smem: int,
+                 args: tuple, tail: tuple = ()) -> None:
+    """Kernel `name` of one GEMM over the row counts `rows` (one matrix, or the pair's two): grid
+    (token tiles, row tiles, kp) with args + tail, or for kp = STREAMK a 1-D grid of what the SMs
+    hold with args + (part, flags) [+ (blocks of the first deal,) for two] + tail."""
     k = kernels.get_kernel(fname, name, dynamic_smem=smem)
+    ntok = -(-T // bt)
     if kp != STREAMK:
-        k((-(-T // bt), N // ROWS, kp), (THREADS,), args, shared_mem=smem)
+        k((ntok, sum(rows) // ROWS, kp), (THREADS,), args + tail, shared_mem=smem)
         return
     key = (name, smem)
     if key not in _sk_occupancy:
         _sk_occupancy[key] = launch.occupancy(k, THREADS, smem)
-    tiles = -(-T // bt) * (N // ROWS)
-    G = streamk_grid(tiles * (K // 256), _sk_occupancy[key], sm_count())
-    part, flags = streamk_workspace(G, bt, tiles)
-    k((G,), (THREADS,), args + (part, flags), shared_mem=smem)
+    tiles = [ntok * (n // ROWS) for n in rows]
+    units = [t * (K // 256) for t in tiles]
+    G = streamk_grid(sum(units), _sk_occupancy[key], sm_count())
+    split = (np.int32(streamk_split(units[0], units[1], G)),) if len(rows) == 2 else ()
+    part, flags = streamk_workspace(G, bt, sum(tiles))
+    k((G,), (THREADS,), args + (part, flags) + split + tail, shared_mem=smem)
 
 
 def _out(label: str, weight: DeviceWeight, T: int, out):
@@ -192,8 +206,8 @@ def _launch(op: str, fname: str, instance: Callable[[int, int, int], str], weigh
     check_dev(xt, np.float16, tiled_shape(T, K), f"{op} activations")
     if T == 0:
         return out
-    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp, streamk_ok=True)
-    _grid_launch(fname, instance(bt, stages, kp), bt, kp, T, N, K, smem,
+    bt, stages, kp, smem = _config(op, T, N, K, bt, stages, kp)
+    _grid_launch(fname, instance(bt, stages, kp), bt, kp, T, (N,), K, smem,
                  (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)))
     return out
 
@@ -232,10 +246,9 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
     if T == 0:
         return tuple(outs)
     bt, stages, kp, smem = _config("wgmma_pair", T, wa.rows + wb.rows, K, bt, stages, kp)
-    k = kernels.get_kernel(PAIR_FILE, registry.wgmma_pair_instance(wb.padded, bt, stages, kp), dynamic_smem=smem)
-    k((-(-T // bt), (wa.rows + wb.rows) // ROWS, kp), (THREADS,),
-      (wa.data, outs[0], np.int32(wa.rows), wb.data, outs[1], np.int32(wb.rows), xt, np.int32(T), np.int32(K)),
-      shared_mem=smem)
+    _grid_launch(PAIR_FILE, registry.wgmma_pair_instance(wb.padded, bt, stages, kp), bt, kp, T, (wa.rows, wb.rows),
+                 K, smem, (wa.data, outs[0], np.int32(wa.rows), wb.data, outs[1], np.int32(wb.rows), xt, np.int32(T),
+                           np.int32(K)))
     return tuple(outs)
 
 
@@ -270,8 +283,8 @@ def wgmma_swiglu(weight: DeviceWeight, xt, T: int, out=None, bt: int | None = No
     check_dev(out, np.float16, tiled_shape(T, F), "wgmma_swiglu out")
     if T == 0:
         return out
-    bt, stages, kp, smem = _config("wgmma_swiglu", T, N, K, bt, stages, kp, streamk_ok=True)
-    _grid_launch(FILE, registry.wgmma_swiglu_instance(bt, stages, kp), bt, kp, T, N, K, smem,
+    bt, stages, kp, smem = _config("wgmma_swiglu", T, N, K, bt, stages, kp)
+    _grid_launch(FILE, registry.wgmma_swiglu_instance(bt, stages, kp), bt, kp, T, (N,), K, smem,
                  (weight.data, xt, out, np.int32(T), np.int32(N), np.int32(K)))
     return out
 
@@ -336,15 +349,14 @@ def wgmma_qkv_rope(weights, xt, T: int, bq, bk, bv, cos, sin, qout, kc, vc, star
     bt, stages, kp, smem = _config("wgmma_qkv_rope", T, N, K, bt, stages, kp)
     rope = (ptr(bq), ptr(bk), ptr(bv), cos, sin, qout, kc, vc, np.int32(q_dim), np.int32(kv_dim),
             np.int32(head_dim), *tail)
-    grid = (-(-T // bt), N // ROWS, kp)
     if len(weights) == 1:
-        k = kernels.get_kernel(FILE, registry.wgmma_rope_instance(bt, stages, kp), dynamic_smem=smem)
-        k(grid, (THREADS,), (weights[0].data, xt, np.int32(T), np.int32(N), np.int32(K), *rope), shared_mem=smem)
+        _grid_launch(FILE, registry.wgmma_rope_instance(bt, stages, kp), bt, kp, T, (N,), K, smem,
+                     (weights[0].data, xt, np.int32(T), np.int32(N), np.int32(K)), rope)
     else:
         wa, wb = weights
-        k = kernels.get_kernel(PAIR_FILE, registry.wgmma_pair_rope_instance(True, bt, stages, kp), dynamic_smem=smem)
-        k(grid, (THREADS,), (wa.data, np.int32(wa.rows), wb.data, np.int32(wb.rows), xt, np.int32(T), np.int32(K),
-                             *rope), shared_mem=smem)
+        _grid_launch(PAIR_FILE, registry.wgmma_pair_rope_instance(True, bt, stages, kp), bt, kp, T,
+                     (wa.rows, wb.rows), K, smem,
+                     (wa.data, np.int32(wa.rows), wb.data, np.int32(wb.rows), xt, np.int32(T), np.int32(K)), rope)
 
 
 def pairs(weights) -> bool:
