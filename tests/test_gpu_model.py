@@ -733,12 +733,13 @@ BOUNDS = {"tiny": 2.5e-2, "tiny-qwen2": 2.5e-2, "slice": 5e-2}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [600, 40])
+@pytest.mark.parametrize("n", [600, 40, 24])
 @pytest.mark.parametrize("name", ["tiny-qwen2", "slice"])
 def test_forward_hopper_vs_mmq(models, name, n):
     """sm_90: the same prompt with the layer GEMMs on wgmma (f16 operands; at 40 tokens one
-    64-token tile with K split across clusters) and on MMQ (q8_1): both within the reference
-    bound; the f16 route's error reported beside the q8_1 one."""
+    64-token tile with K split across clusters, at 24 a 32-token tile with the q|k|v GEMM's RoPE
+    epilogue) and on MMQ (q8_1): both within the reference bound; the f16 route's error reported
+    beside the q8_1 one. Under WG_STREAMK=1 the 24- and 40-token rows run the stream-K form."""
     import cupy as cp
 
     if cp.cuda.Device().compute_capability != "90":
