@@ -235,7 +235,8 @@ def wgmma_pair(wa: DeviceWeight, wb: DeviceWeight, xt, T: int, out_a=None, out_b
                stages: int | None = None, kp: int | None = None):
     """(ya, yb) = (x . wa^T, x . wb^T) for a q4_K wa and a q6_K wb of the same K in one launch,
     each equal bit for bit to wgmma_q4k / wgmma_q6k with the same bt, stages, kp (the production
-    choice: registry.wgmma_config of the two matrices' rows together)."""
+    choice: registry.wgmma_config of the two matrices' rows together). kp = STREAMK deals each
+    matrix to its share of one grid, so its sums may split elsewhere than a lone launch's."""
     if wa.ggml_type != GGML_Q4_K or wb.ggml_type != GGML_Q6_K:
         raise ValueError(f"wgmma_pair: weight types {wa.type_name}, {wb.type_name} are not q4_K, q6_K")
     if wa.cols != wb.cols:
