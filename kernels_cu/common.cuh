@@ -53,14 +53,21 @@ typedef unsigned long long u64;
 #ifndef KERNEL_TIMELINE
 #define KERNEL_TIMELINE 0
 #endif
+#ifndef GGP_EMU
+// %globaltimer: ns, one clock for every SM (the timelines' stamps, the stream-K owner's spin limit).
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+#endif
 #if KERNEL_TIMELINE && !defined(GGP_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define KERNEL_TL_CAP 65536
 __device__ unsigned long long* ggp_tl_buf;
 __device__ __forceinline__ void kernel_tl_stamp() {
     if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) != 0 || ggp_tl_buf == nullptr)
         return;
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    const unsigned long long t = globaltimer_ns();
     const unsigned long long sig = (gridDim.x & 0xFFFFFull) | (unsigned long long)(gridDim.y & 0xFFFu) << 20 |
                                    (unsigned long long)(gridDim.z & 0xFFu) << 32 |
                                    (unsigned long long)(blockDim.x & 0x7FFu) << 40;

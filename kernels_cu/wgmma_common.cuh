@@ -78,8 +78,8 @@ __device__ __forceinline__ void wg_tl(int slot) {
     const u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (threadIdx.x != 0 || b >= WG_TL_BLOCKS) return;
     unsigned long long* row = wg_timeline + (size_t)b * WG_TL_SLOTS;
-    unsigned long long t, c;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    const unsigned long long t = globaltimer_ns();
+    unsigned long long c;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
     row[slot] = t;
     row[WG_TL_PHASES + slot] = c;

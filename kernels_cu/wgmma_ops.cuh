@@ -144,6 +144,28 @@ __device__ __forceinline__ void wgmma_ss_n(float (&d)[BN / 2], u64 adesc, u64 bd
                      : "l"(adesc), "l"(bdesc), "n"(ACC));
     }
 }
+// wgmma_n (BN 32 or 64, TB = 0) with scale-d at run time: fresh = 1 makes D = A . B, else D += A . B
+// (the stream-K GEMMs' segments, wgmma_streamk.cuh: their accumulators are then never written by
+// other instructions inside the pipeline, which would make ptxas serialize every wgmma, C7515).
+template <int BN>
+__device__ __forceinline__ void wgmma_n_fresh(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int fresh) {
+    static_assert(BN == 32 || BN == 64, "BN: 32 or 64");
+    const int acc = !fresh;
+    if constexpr (BN == 32) {
+        asm volatile(WG_PRED(21) WG_MMA(32)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+    } else {
+        asm volatile(WG_PRED(37) WG_MMA(64)
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                     : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+    }
+}
 #undef WG_D4
 #undef WG_A4
 #undef WG_MMA

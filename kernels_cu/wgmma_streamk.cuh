@@ -32,31 +32,6 @@
 // Two blocks an SM at 32-token tiles (at most 128 registers: the deal's G is what the SMs hold).
 #define WG_SK_MIN_BLOCKS(BT) ((BT) <= 32 ? 2 : 1)
 
-// wgmma_n (wgmma_ops.cuh) with scale-d at run time: fresh = 1 makes D = A . B (a segment's first
-// k16 step), else D += A . B. The accumulators are then never written by other instructions
-// inside the pipeline (ptxas serializes every wgmma otherwise, C7515).
-#define SK_D4(i) "+f"(d[4 * (i)]), "+f"(d[4 * (i) + 1]), "+f"(d[4 * (i) + 2]), "+f"(d[4 * (i) + 3])
-template <int BN>
-__device__ __forceinline__ void wgmma_n_fresh(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int fresh) {
-    static_assert(BN == 32 || BN == 64, "BN: 32 or 64 (token tiles <= 64)");
-    const int acc = !fresh;
-    if constexpr (BN == 32) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-                     "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                     : SK_D4(0), SK_D4(1), SK_D4(2), SK_D4(3)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                     : SK_D4(0), SK_D4(1), SK_D4(2), SK_D4(3), SK_D4(4), SK_D4(5), SK_D4(6), SK_D4(7)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-    }
-}
-#undef SK_D4
-
 // The block holding unit u of U dealt to G blocks (u0(b) = b U / G): the largest b with u0(b) <= u.
 __device__ __forceinline__ int wg_sk_block_of(int u, int U, int G) {
     return (int)(((long long)(u + 1) * G - 1) / U);
@@ -69,11 +44,6 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 }
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ unsigned long long wg_globaltimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
 }
 
 // Stream-K GEMM of block b of a deal of G blocks (module comment): y[T, N] = x . W^T over ntok x
@@ -249,10 +219,10 @@ __device__ __forceinline__ void wgmma_gemm_sk(const u8* __restrict__ W, const u8
             const int last = wg_sk_block_of((q + 1) * nsb - 1, U, G);   // the tile's last block
             if (last > b) {
                 if (threadIdx.x == 0) {
-                    const unsigned long long t_start = wg_globaltimer();
+                    const unsigned long long t_start = globaltimer_ns();
                     while (ld_acquire_gpu(flags + q) < last - b) {
                         __nanosleep(64);
-                        if (wg_globaltimer() - t_start > 2000000000ull) __trap();   // a block never came
+                        if (globaltimer_ns() - t_start > 2000000000ull) __trap();   // a block never came
                     }
                     flags[q] = 0;                              // for the next launch (stream order)
                 }

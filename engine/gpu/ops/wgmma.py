@@ -105,7 +105,7 @@ def _config(op: str, T: int, N: int, K: int, bt: int | None, stages: int | None,
 # ----------------------------------------------------------------------------- stream-K (an A/B)
 
 _sk_work: dict[int, list] = {}          # device -> [part float32, flags int32]
-_sk_occupancy: dict[tuple[str, int], int] = {}
+_sk_occupancy: dict[tuple[int, int], int] = {}   # (id of a cached kernel build, shared bytes) -> blocks an SM
 
 
 def streamk_grid(units: int, per_sm: int, n_sm: int) -> int:
@@ -172,7 +172,7 @@ def _grid_launch(fname: str, name: str, bt: int, kp: int, T: int, rows: tuple[in
     if kp != STREAMK:
         k((ntok, sum(rows) // ROWS, kp), (THREADS,), args + tail, shared_mem=smem)
         return
-    key = (name, smem)
+    key = (id(k.raw), smem)            # get_kernel keeps one build per device, file, name and define set
     if key not in _sk_occupancy:
         _sk_occupancy[key] = launch.occupancy(k, THREADS, smem)
     tiles = [ntok * (n // ROWS) for n in rows]
